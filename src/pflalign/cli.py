@@ -1,0 +1,116 @@
+"""`pflalign` command line: run, methods, fetch-model.
+
+Bad input (a `UserError`) ends with one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .errors import UserError
+
+
+def _print_table(results: dict) -> None:
+    rows = results["clients"]
+    width = max(len("client"), *(len(r["task"]) for r in rows), len("average"))
+    print(f"\n{results['method']} on {results['dataset']} (seed {results['seed']}), ROUGE-L x100")
+    print(f"{'client':<{width}}  {'n_test':>6}  {'personalized':>12}  {'global':>8}  {'base':>8}")
+
+    def fmt(x, w):
+        return f"{x:>{w}.2f}" if x is not None else f"{'-':>{w}}"
+
+    for r in rows:
+        print(f"{r['task']:<{width}}  {r['n_test']:>6}  {fmt(r['rouge_l_personalized'], 12)}  "
+              f"{fmt(r['rouge_l_global'], 8)}  {fmt(r['rouge_l_base'], 8)}")
+    print(f"{'average':<{width}}  {'':>6}  {fmt(results['avg_rouge_l_personalized'], 12)}  "
+          f"{fmt(results['avg_rouge_l_global'], 8)}  {fmt(results['avg_rouge_l_base'], 8)}")
+
+
+def cmd_run(args) -> int:
+    from .config import build_config, parse_set
+    from .engine import run
+
+    overrides = parse_set(args.set or [])
+    if args.data_dir is not None:
+        overrides.setdefault("data", {})["dir"] = args.data_dir
+    if args.resume and (args.set or args.data_dir):
+        raise UserError("--resume continues with the run's saved config; drop --set/--data-dir")
+    cfg = None if args.resume else build_config(args.config, overrides)
+    results = run(cfg, Path(args.out), resume=args.resume, overwrite=args.overwrite,
+                  stop_after=args.stop_after_rounds, progress=not args.no_progress)
+    if results is None:
+        print(f"stopped after the requested rounds; continue with: pflalign run --out {args.out} --resume")
+        return 0
+    _print_table(results)
+    print(f"\nresults: {Path(args.out) / 'results.json'}")
+    return 0
+
+
+def cmd_methods(args) -> int:
+    from .methods import METHODS
+
+    for name, cls in METHODS.items():
+        if args.long:
+            doc = (cls.__doc__ or "").strip().splitlines()[0]
+            print(f"{name:<28} {doc}")
+        else:
+            print(name)
+    return 0
+
+
+def cmd_fetch_model(args) -> int:
+    from .model import fetch_embedded_model
+
+    print(fetch_embedded_model(args.name))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pflalign", description="Personalized federated LoRA fine-tuning (pFLAlign and baselines).")
+    parser.add_argument("-v", "--verbose", action="store_true", help="more log output")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run one federated job")
+    run.add_argument("--config", help="a preset (demo, flan-paper, dolly-paper) or a TOML/JSON file")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable), e.g. method=fedavg lora.r=8")
+    run.add_argument("--data-dir", help="dataset location (same as --set data.dir=...)")
+    run.add_argument("--out", required=True, help="run directory")
+    run.add_argument("--resume", action="store_true", help="continue an unfinished run in --out")
+    run.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    run.add_argument("--stop-after-rounds", type=int, metavar="N", help="stop (checkpointed) after N more rounds")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars (log lines instead)")
+    run.set_defaults(func=cmd_run)
+
+    methods = sub.add_parser("methods", help="list the available methods")
+    methods.add_argument("-l", "--long", action="store_true", help="with one line of description")
+    methods.set_defaults(func=cmd_methods)
+
+    fetch = sub.add_parser("fetch-model", help="download an embedded model into the cache")
+    fetch.add_argument("name", nargs="?", default="smollm2-135m")
+    fetch.set_defaults(func=cmd_fetch_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    for noisy in ("transformers", "peft", "httpx", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"pflalign: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pflalign: interrupted; the last finished round is checkpointed: rerun with --resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Databricks-Dolly-15K as a federation: one client per category.
+
+The paper's Dolly setting gives each of 4 clients one Dolly category and
+holds out ceil(10%) of that category as the client's test set (214, 178,
+151 and 119 examples for classification, closed_qa, information_extraction
+and summarization). `load_dolly` reproduces that split deterministically from
+a seed, from a local file or, failing that, from the Hugging Face Hub.
+
+The small JSON-lines helpers at the bottom are shared with `flan.py`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import random
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from pflalign.data import ClientData, Example
+from pflalign.errors import UserError
+
+DOLLY_HUB_ID = "databricks/databricks-dolly-15k"
+DOLLY_FILENAME = "databricks-dolly-15k.jsonl"
+DOLLY_CATEGORIES = (
+    "brainstorming",
+    "classification",
+    "closed_qa",
+    "creative_writing",
+    "general_qa",
+    "information_extraction",
+    "open_qa",
+    "summarization",
+)
+TEST_FRACTION_DENOMINATOR = 10  # test = ceil(n / 10): the paper's 10% hold-out
+
+
+def load_dolly(
+    source: str,
+    categories: list[str],
+    split_seed: int = 42,
+    max_train: int | None = None,
+    max_test: int | None = None,
+) -> list[ClientData]:
+    """Load Dolly and return one `ClientData` per requested category, in order.
+
+    `source` is a `.jsonl` file, a directory holding `databricks-dolly-15k.jsonl`,
+    or the hub id `databricks/databricks-dolly-15k`. Each category's records are
+    taken in file order, shuffled with a RNG seeded by `f"{split_seed}:{category}"`
+    (so one category's split does not depend on which others are requested), and
+    the first ceil(n/10) become the test set, the rest the training set.
+    `max_train`/`max_test` then keep only the first N of each split.
+    """
+    if not categories:
+        raise UserError("no Dolly categories given: name at least one, e.g. classification")
+    check_unique(categories, "Dolly category")
+    check_limit("max_train", max_train)
+    check_limit("max_test", max_test)
+
+    by_category: dict[str, list[Example]] = {}
+    for where, record in _dolly_records(source):
+        example = Example(
+            prompt=_dolly_prompt(record, where),
+            response=get_text_field(record, "response", where).strip(),
+        )
+        by_category.setdefault(get_text_field(record, "category", where), []).append(example)
+
+    clients = []
+    for category in categories:
+        if category not in by_category:
+            if category not in DOLLY_CATEGORIES:
+                valid = set(DOLLY_CATEGORIES) | set(by_category)
+                raise unknown_category_error("Dolly", category, valid)
+            raise UserError(f"Dolly category {category!r} has no examples in {source}")
+        train, test = split_examples(by_category[category], split_seed, category)
+        clients.append(ClientData(task=category, train=train[:max_train], test=test[:max_test]))
+    return clients
+
+
+def split_examples(
+    examples: list[Example], split_seed: int, category: str
+) -> tuple[list[Example], list[Example]]:
+    """Shuffle one category with its own seeded RNG; the first ceil(n/10) are the test set."""
+    shuffled = list(examples)
+    random.Random(f"{split_seed}:{category}").shuffle(shuffled)
+    n_test = -(-len(shuffled) // TEST_FRACTION_DENOMINATOR)  # exact integer ceil
+    return shuffled[n_test:], shuffled[:n_test]
+
+
+def _dolly_prompt(record: Mapping[str, Any], where: str) -> str:
+    """The instruction, followed by the context when the record has a non-empty one."""
+    instruction = get_text_field(record, "instruction", where).strip()
+    context = record.get("context")
+    if context is None:
+        context = ""
+    if not isinstance(context, str):
+        raise UserError(f"{where}: field 'context' must be a string, got {type(context).__name__}")
+    context = context.strip()
+    return f"{instruction}\n\nContext:\n{context}" if context else instruction
+
+
+def _dolly_records(source: str) -> Iterable[tuple[str, Mapping[str, Any]]]:
+    """(location, record) pairs from a local file or directory, or from the hub."""
+    if source == DOLLY_HUB_ID and not Path(source).exists():
+        return _hub_records()
+    path = Path(source)
+    if path.is_dir():
+        path = path / DOLLY_FILENAME
+    if not path.is_file():
+        raise UserError(
+            f"Dolly data not found: {path} (pass a .jsonl file, a folder containing "
+            f"{DOLLY_FILENAME}, or the hub id {DOLLY_HUB_ID})"
+        )
+    return read_jsonl(path)
+
+
+def _hub_records() -> list[tuple[str, Mapping[str, Any]]]:
+    """Download Dolly from the Hugging Face Hub, via `datasets` when it is installed."""
+    try:
+        try:
+            import datasets  # optional: not a dependency of pflalign
+        except ImportError:
+            datasets = None
+        if datasets is not None:
+            rows = datasets.load_dataset(DOLLY_HUB_ID, split="train")
+            return [(f"{DOLLY_HUB_ID} row {i}", dict(row)) for i, row in enumerate(rows, start=1)]
+        from huggingface_hub import hf_hub_download
+
+        local = hf_hub_download(DOLLY_HUB_ID, DOLLY_FILENAME, repo_type="dataset")
+    except Exception as error:  # network, auth, cache: all mean "use a local copy"
+        raise UserError(
+            f"the Hugging Face Hub is unreachable, could not download {DOLLY_HUB_ID} "
+            f"({first_line(error)}); "
+            f"pass a local file instead (a .jsonl or a folder containing {DOLLY_FILENAME}, "
+            "e.g. with --data-dir)"
+        ) from error
+    return list(read_jsonl(Path(local)))
+
+
+# --- JSON-lines helpers, shared with flan.py -------------------------------------------
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """Yield ("file:line", object) for each non-blank line; any bad line is a `UserError`.
+
+    Lines are decoded one by one so that bad UTF-8, bad JSON and non-object
+    values are all reported with their file and line number.
+    """
+    try:
+        handle = path.open("rb")
+    except OSError as error:
+        raise UserError(f"cannot read {path}: {error.strerror or error}") from error
+    with handle:
+        for number, raw in enumerate(handle, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # BOM ok
+            except UnicodeDecodeError as error:
+                raise UserError(f"{where}: not valid UTF-8 ({error.reason})") from error
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                message = f"{where}: not valid JSON ({error.msg} at column {error.colno})"
+                raise UserError(message) from error
+            except (ValueError, RecursionError) as error:  # e.g. a 5000-digit number
+                raise UserError(f"{where}: not valid JSON ({first_line(error)})") from error
+            if not isinstance(record, dict):
+                raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            yield where, record
+
+
+def get_text_field(record: Mapping[str, Any], field: str, where: str) -> str:
+    """`record[field]`, which must be present and a string; else a `UserError` naming it."""
+    if field not in record:
+        raise UserError(f"{where}: record has no field {field!r}")
+    value = record[field]
+    if not isinstance(value, str):
+        raise UserError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def unknown_category_error(dataset: str, category: str, valid: Iterable[str]) -> UserError:
+    """A `UserError` for an unknown category, listing the valid ones and the closest match."""
+    valid = sorted(valid)
+    close = difflib.get_close_matches(category, valid, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return UserError(f"unknown {dataset} category {category!r}; valid: {', '.join(valid)}.{hint}")
+
+
+def check_unique(names: list[str], what: str) -> None:
+    """Reject a name requested twice: it would silently create two identical clients."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise UserError(f"{what} {name!r} is given twice")
+        seen.add(name)
+
+
+def check_limit(name: str, value: int | None) -> None:
+    """`max_train`/`max_test` must be None or a non-negative integer."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise UserError(f"{name} must be a non-negative integer or None, got {value!r}")
+
+
+def first_line(error: BaseException) -> str:
+    """An exception as one short line, for the one-line `UserError` messages."""
+    lines = str(error).strip().splitlines()
+    return lines[0][:200] if lines else type(error).__name__

@@ -1,0 +1,85 @@
+"""One entry point for every federation: `load_federation(name, ...)`.
+
+The CLI and the experiment code call this instead of the individual loaders so
+that defaults (the paper's client categories, the synthetic sizes) and input
+checks live in one place.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from pflalign.data import ClientData
+from pflalign.data.dolly import DOLLY_HUB_ID, check_unique, load_dolly, unknown_category_error
+from pflalign.data.flan import load_flan
+from pflalign.data.synthetic import SYNTHETIC_TASKS, make_synthetic
+from pflalign.errors import UserError
+
+FEDERATIONS = ("synthetic", "dolly", "flan")
+DOLLY_PAPER_CATEGORIES = ["classification", "closed_qa", "information_extraction", "summarization"]
+FLAN_PAPER_CATEGORIES = ["coreference", "entailment", "paraphrase", "structure_to_text"]
+SYNTHETIC_DEFAULT_TRAIN = 64
+SYNTHETIC_DEFAULT_TEST = 16
+
+
+def load_federation(
+    name: str,
+    source: str | None,
+    categories: list[str] | None,
+    split_seed: int,
+    max_train: int | None,
+    max_test: int | None,
+) -> list[ClientData]:
+    """Load the federation `name` ("synthetic", "dolly" or "flan"), one client per category.
+
+    `categories=None` means the paper's 4 clients (all 4 tasks for synthetic).
+    `source` is the data file or folder; Dolly falls back to the Hugging Face
+    Hub, FLAN needs a folder, synthetic takes none. For synthetic, `split_seed`
+    seeds the generator and `max_train`/`max_test` are the sizes (default 64/16).
+    """
+    source = source or None
+    if name == "synthetic":
+        return _load_synthetic(source, categories, split_seed, max_train, max_test)
+    if name == "dolly":
+        chosen = DOLLY_PAPER_CATEGORIES if categories is None else categories
+        return load_dolly(source or DOLLY_HUB_ID, list(chosen), split_seed, max_train, max_test)
+    if name == "flan":
+        if source is None:
+            raise UserError(
+                "the flan federation needs its data folder: pass --data-dir pointing at the "
+                "folder with local_training_K.json and test.jsonl"
+            )
+        chosen = FLAN_PAPER_CATEGORIES if categories is None else categories
+        return load_flan(source, list(chosen), max_train, max_test)
+    close = difflib.get_close_matches(name, FEDERATIONS, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise UserError(f"unknown federation {name!r}; valid: {', '.join(FEDERATIONS)}.{hint}")
+
+
+def _load_synthetic(
+    source: str | None,
+    categories: list[str] | None,
+    seed: int,
+    max_train: int | None,
+    max_test: int | None,
+) -> list[ClientData]:
+    """The synthetic federation, optionally only some of its tasks (in the order given)."""
+    if source is not None:
+        raise UserError(
+            f"the synthetic federation is generated in code: it takes no data source ({source!r})"
+        )
+    if categories is not None and not categories:
+        raise UserError("no synthetic tasks given: name at least one, e.g. arithmetic")
+    for task in categories or ():
+        if task not in SYNTHETIC_TASKS:
+            raise unknown_category_error("synthetic", task, SYNTHETIC_TASKS)
+    check_unique(categories or [], "synthetic task")
+    clients = make_synthetic(
+        n_train=SYNTHETIC_DEFAULT_TRAIN if max_train is None else max_train,
+        n_test=SYNTHETIC_DEFAULT_TEST if max_test is None else max_test,
+        seed=seed,
+    )
+    if categories is None:
+        return clients
+    by_task = {client.task: client for client in clients}
+    return [by_task[task] for task in categories]

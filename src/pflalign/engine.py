@@ -1,0 +1,288 @@
+"""The in-process federated engine: synchronous rounds over clients on one machine.
+
+Read top to bottom: set up (data, model, method, state), then for each round
+every sampled client starts from what its method says, takes T local steps,
+and sends a message; the server aggregates; a checkpoint is written. At the
+end every client is scored with its personalized model, the global model and
+the untrained base model. The engine knows nothing method-specific: all of
+that lives behind `pflalign.methods.base.Method`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from . import checkpoint as ckpt
+from .config import RunConfig, build_config, method_args, to_dict
+from .data import ClientData
+from .data.load import load_federation
+from .errors import UserError
+from .evaluate import generate, rouge_l
+from .methods import method_class
+from .methods.base import Method, Params, RoundContext, State, StepContext
+from .model import FederatedLM
+from .prompts import Encoded, batch_indices, collate_train, encode_prompt, encode_train
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Client:
+    """A client as the engine sees it: its data and its persistent state."""
+
+    id: int
+    data: ClientData
+    train: list[Encoded]
+    state: State  # the method's per-client state (kept across rounds)
+    personalized: Params | None = None  # its personalized adapter after its last round
+    steps_taken: int = 0  # minibatches consumed: the data sampler's whole state
+
+    @property
+    def n_train(self) -> int:
+        return len(self.data.train)
+
+
+def sample_clients(num_clients: int, fraction: float, seed: int, round_index: int) -> list[int]:
+    """Participants of a round: all by default, else a seeded sample (a pure function of seed and round)."""
+    if fraction >= 1.0:
+        return list(range(num_clients))
+    count = max(1, round(fraction * num_clients))
+    rng = np.random.default_rng([seed, round_index])
+    return sorted(rng.choice(num_clients, size=count, replace=False).tolist())
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} requested but no CUDA device is available")
+    return name
+
+
+def prepare_run_dir(out: Path, resume: bool, overwrite: bool) -> bool:
+    """Check what is in `out`; returns True when a checkpoint should be resumed."""
+    finished = (out / ckpt.RESULTS).exists()
+    started = (out / ckpt.CHECKPOINT).exists()
+    if overwrite:
+        for name in (ckpt.RESULTS, ckpt.CHECKPOINT, ckpt.METRICS, ckpt.PREDICTIONS, ckpt.CONFIG):
+            (out / name).unlink(missing_ok=True)
+        return False
+    if finished:
+        raise UserError(f"{out} holds a finished run; pass --overwrite to replace it")
+    if resume:
+        if not started:
+            raise UserError(f"{out} has no checkpoint to resume; run without --resume")
+        return True
+    if started:
+        raise UserError(f"{out} holds an unfinished run; pass --resume to continue it or --overwrite to restart")
+    return False
+
+
+class Federation:
+    """Everything a run needs, built once: model, method, clients, global adapter."""
+
+    def __init__(self, cfg: RunConfig, progress: bool = True):
+        self.cfg = cfg
+        self.progress = progress
+        datasets = load_federation(
+            cfg.data.name, cfg.data.dir, cfg.data.clients, cfg.data.split_seed,
+            cfg.data.max_train, cfg.data.max_test,
+        )
+        dtype = getattr(torch, cfg.dtype)
+        self.lm = FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=dtype, device=resolve_device(cfg.device))
+        self.method: Method = method_class(cfg.method)(method_args(cfg))
+        self.global_params = self.lm.get_lora()
+        self.server_state = self.method.init_server_state(self.global_params)
+        self.clients = []
+        self.truncated = 0
+        for k, data in enumerate(datasets):
+            if len(data.train) < cfg.batch_size:
+                raise UserError(
+                    f"client {k} ({data.task}) has {len(data.train)} training examples, fewer than batch_size={cfg.batch_size}"
+                )
+            encoded = [encode_train(self.lm.tokenizer, ex, cfg.max_seq_len) for ex in data.train]
+            self.truncated += sum(e.truncated for e in encoded)
+            self.clients.append(Client(k, data, encoded, self.method.init_client_state(self.global_params)))
+        if self.truncated:
+            log.warning("%d training examples exceeded max_seq_len=%d and were truncated", self.truncated, cfg.max_seq_len)
+
+    # ---- one client's round -------------------------------------------------
+    def train_client(self, client: Client, round_index: int, received: dict, metrics: ckpt.MetricsLog,
+                     bar) -> tuple[dict, list[float]]:
+        cfg, lm, method = self.cfg, self.lm, self.method
+        lm.set_lora(method.client_start(self.global_params, client.state, received))
+        losses = []
+        for t in range(cfg.local_steps):
+            idx = batch_indices(client.n_train, cfg.batch_size, client.steps_taken, cfg.seed * 1009 + client.id)
+            batch = collate_train([client.train[i] for i in idx], lm.tokenizer.pad_token_id)
+            ctx = StepContext(round_index, t, cfg.local_steps, cfg.lr, self.global_params)
+            loss = method.local_step(lm.lora, lambda: lm.loss_and_grads(batch), client.state, ctx)
+            client.steps_taken += 1
+            losses.append(loss)
+            metrics.write(event="train_step", round=round_index, client=client.id, step=t, loss=loss)
+            bar.update(1)
+        message = method.client_end(self.global_params, lm.lora, client.state)
+        client.personalized = method.personalized(self.global_params, lm.lora, client.state)
+        return message, losses
+
+    # ---- the rounds ---------------------------------------------------------
+    def train(self, out: Path, start_round: int, metrics: ckpt.MetricsLog, stop_after: int | None) -> int:
+        cfg = self.cfg
+        end = cfg.rounds if stop_after is None else min(cfg.rounds, start_round + stop_after)
+        rounds_bar = tqdm(range(start_round, end), initial=start_round, total=cfg.rounds, desc="rounds",
+                          disable=not self.progress, unit="round")
+        for r in rounds_bar:
+            tic = time.perf_counter()
+            chosen = sample_clients(len(self.clients), cfg.participation, cfg.seed, r)
+            bar = tqdm(total=len(chosen) * cfg.local_steps, desc=f"round {r + 1} local steps", leave=False,
+                       disable=not self.progress, unit="step")
+            messages, round_losses = [], {}
+            received = self.method.broadcast(self.global_params, self.server_state)
+            for k in chosen:
+                message, losses = self.train_client(self.clients[k], r, received, metrics, bar)
+                messages.append(message)
+                round_losses[k] = losses
+            bar.close()
+            total = sum(self.clients[k].n_train for k in chosen)
+            weights = [self.clients[k].n_train / total for k in chosen]
+            ctx = RoundContext(r, len(self.clients), chosen)
+            self.global_params = self.method.aggregate(self.global_params, messages, weights, self.server_state, ctx)
+            seconds = time.perf_counter() - tic
+            mean_loss = float(np.mean([l for ls in round_losses.values() for l in ls]))
+            metrics.write(event="round", round=r, seconds=seconds, clients=chosen, mean_loss=mean_loss)
+            self.save(out, r + 1, metrics.commit())
+            rounds_bar.set_postfix(loss=f"{mean_loss:.3f}")
+            if not self.progress:
+                log.info("round %d/%d: mean loss %.4f (%.1f s)", r + 1, cfg.rounds, mean_loss, seconds)
+        rounds_bar.close()
+        return end
+
+    # ---- checkpoint ---------------------------------------------------------
+    def save(self, out: Path, rounds_done: int, metrics_offset: int) -> None:
+        ckpt.save_checkpoint(out / ckpt.CHECKPOINT, {
+            "rounds_done": rounds_done,
+            "global": self.global_params,
+            "server_state": self.server_state,
+            "clients": [
+                {"state": c.state, "personalized": c.personalized, "steps_taken": c.steps_taken}
+                for c in self.clients
+            ],
+            "torch_rng": torch.get_rng_state(),
+            "metrics_offset": metrics_offset,
+        })
+
+    def restore(self, payload: dict) -> int:
+        self.global_params = payload["global"]
+        self.server_state = payload["server_state"]
+        if len(payload["clients"]) != len(self.clients):
+            raise UserError("checkpoint has a different number of clients than the config")
+        for client, saved in zip(self.clients, payload["clients"]):
+            client.state = saved["state"]
+            client.personalized = saved["personalized"]
+            client.steps_taken = saved["steps_taken"]
+        torch.set_rng_state(payload["torch_rng"])
+        return payload["rounds_done"]
+
+    # ---- evaluation ---------------------------------------------------------
+    def _score(self, adapter_of, label: str) -> tuple[list[float], list[list[str]]]:
+        """ROUGE-L of every client on its own test split, with the adapter
+        `adapter_of(client)` (None: the base model, adapters switched off)."""
+        lm, cfg = self.lm, self.cfg
+        scores, outputs = [], []
+        for c in self.clients:
+            prompts = [encode_prompt(lm.tokenizer, ex, cfg.max_seq_len)[0] for ex in c.data.test]
+            adapter = adapter_of(c)
+            if adapter is not None:
+                lm.set_lora(adapter)
+            with lm.model.disable_adapter() if adapter is None else contextlib.nullcontext():
+                preds = generate(lm.model, lm.tokenizer, prompts, cfg.eval.max_new_tokens, cfg.eval.batch_size,
+                                 desc=f"eval {label} {c.data.task}", progress=self.progress)
+            scores.append(rouge_l(preds, [ex.response for ex in c.data.test]))
+            outputs.append(preds)
+        return scores, outputs
+
+    def evaluate(self) -> tuple[dict, list[dict]]:
+        cfg = self.cfg
+        personal_scores, personal_out = self._score(
+            lambda c: c.personalized if c.personalized is not None else self.global_params, "personalized")
+        global_scores, global_out = self._score(lambda c: self.global_params, "global")
+        none = [None] * len(self.clients)
+        base_scores, base_out = self._score(lambda c: None, "base") if cfg.eval.base_model else (none, none)
+        rows, predictions = [], []
+        for i, c in enumerate(self.clients):
+            rows.append({
+                "id": c.id, "task": c.data.task, "n_train": c.n_train, "n_test": len(c.data.test),
+                "rouge_l_personalized": personal_scores[i], "rouge_l_global": global_scores[i],
+                "rouge_l_base": base_scores[i],
+            })
+            for j, ex in enumerate(c.data.test):
+                predictions.append({
+                    "client": c.id, "task": c.data.task, "prompt": ex.prompt, "reference": ex.response,
+                    "personalized": personal_out[i][j], "global": global_out[i][j],
+                    "base": base_out[i][j] if base_out[i] is not None else None,
+                })
+
+        def mean(key):
+            values = [r[key] for r in rows if r[key] is not None]
+            return float(np.mean(values)) if values else None
+
+        results = {
+            "method": cfg.method, "dataset": cfg.data.name, "seed": cfg.seed, "model": cfg.model,
+            "rounds": cfg.rounds, "local_steps": cfg.local_steps, "clients": rows,
+            "avg_rouge_l_personalized": mean("rouge_l_personalized"),
+            "avg_rouge_l_global": mean("rouge_l_global"),
+            "avg_rouge_l_base": mean("rouge_l_base"),
+            "truncated_train_examples": self.truncated,
+        }
+        return results, predictions
+
+
+def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
+        stop_after: int | None = None, progress: bool = True) -> dict | None:
+    """Run (or resume) one federated job into `out`; returns results, or None when stopped early."""
+    out = Path(out)
+    resuming = prepare_run_dir(out, resume, overwrite)
+    if resuming:
+        saved = ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
+        cfg = _saved_config(out)
+    fed = Federation(cfg, progress=progress)
+    start = 0
+    if resuming:
+        start = fed.restore(saved)
+        log.info("resuming %s after round %d of %d", out, start, cfg.rounds)
+        metrics = ckpt.MetricsLog(out / ckpt.METRICS, resume_offset=saved["metrics_offset"])
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        ckpt.write_json(out / ckpt.CONFIG, to_dict(cfg))
+        metrics = ckpt.MetricsLog(out / ckpt.METRICS)
+    tic = time.perf_counter()
+    try:
+        done = fed.train(out, start, metrics, stop_after)
+        if done < cfg.rounds:
+            return None
+        train_seconds = time.perf_counter() - tic
+        tic = time.perf_counter()
+        results, predictions = fed.evaluate()
+        results["seconds_train_this_session"] = train_seconds
+        results["seconds_eval"] = time.perf_counter() - tic
+        metrics.write(event="eval", **{k: v for k, v in results.items() if k.startswith("avg_")})
+        metrics.commit()
+    finally:
+        metrics.close()
+    ckpt.write_jsonl(out / ckpt.PREDICTIONS, predictions)
+    ckpt.write_json(out / ckpt.RESULTS, results)  # last: its presence means "finished"
+    return results
+
+
+def _saved_config(out: Path) -> RunConfig:
+    saved = json.loads((out / ckpt.CONFIG).read_text())
+    return build_config(None, saved)

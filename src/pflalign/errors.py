@@ -1,0 +1,9 @@
+"""The one exception type that means "the user's input is wrong".
+
+The CLI turns it into a single line on stderr and exit status 2; everything
+else is a bug and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """Bad input from the user: a file, a config key, a category, a value."""

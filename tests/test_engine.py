@@ -1,0 +1,154 @@
+"""End to end on a tiny random model: results, checkpoints, resume, weighting."""
+
+import json
+
+import pytest
+import torch
+
+from pflalign import checkpoint as ckpt
+from pflalign.config import build_config
+from pflalign.engine import Federation, run, sample_clients
+from pflalign.errors import UserError
+
+TINY = {
+    "model": "tiny-llama",
+    "lora": {"r": 4, "alpha": 8},
+    "data": {"name": "synthetic", "clients": ["arithmetic", "sorting"], "max_train": 12, "max_test": 3},
+    "rounds": 2,
+    "local_steps": 2,
+    "batch_size": 2,
+    "max_seq_len": 96,
+    "eval": {"max_new_tokens": 4, "batch_size": 4},
+}
+
+
+def tiny_config(**over):
+    cfg = json.loads(json.dumps(TINY))
+    cfg.update(over)
+    return build_config(None, cfg)
+
+
+def _adapters(out):
+    payload = ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
+    return payload
+
+
+def _assert_same_params(a, b):
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+
+
+@pytest.mark.parametrize("method", ["pflalign", "fedavg"])
+def test_run_writes_results_and_resume_matches_uninterrupted(tmp_path, method):
+    cfg = tiny_config(method=method)
+    full = run(cfg, tmp_path / "full", progress=False)
+    assert full["method"] == method and full["dataset"] == "synthetic"
+    assert [c["task"] for c in full["clients"]] == ["arithmetic", "sorting"]
+    for c in full["clients"]:
+        assert c["n_train"] == 12 and c["n_test"] == 3
+        for key in ("rouge_l_personalized", "rouge_l_global", "rouge_l_base"):
+            assert 0.0 <= c[key] <= 100.0
+    on_disk = json.loads((tmp_path / "full" / ckpt.RESULTS).read_text())
+    assert on_disk["avg_rouge_l_personalized"] == pytest.approx(
+        sum(c["rouge_l_personalized"] for c in full["clients"]) / 2)
+
+    assert run(cfg, tmp_path / "split", stop_after=1, progress=False) is None
+    assert not (tmp_path / "split" / ckpt.RESULTS).exists()
+    assert _adapters(tmp_path / "split")["rounds_done"] == 1
+    resumed = run(None, tmp_path / "split", resume=True, progress=False)
+
+    a, b = _adapters(tmp_path / "full"), _adapters(tmp_path / "split")
+    _assert_same_params(a["global"], b["global"])
+    for ca, cb in zip(a["clients"], b["clients"]):
+        _assert_same_params(ca["personalized"], cb["personalized"])
+        assert ca["state"].keys() == cb["state"].keys()
+        for group in ca["state"]:
+            _assert_same_params(ca["state"][group], cb["state"][group])
+    assert resumed["clients"] == full["clients"]
+
+    def steps(out):
+        rows = [json.loads(l) for l in (out / ckpt.METRICS).read_text().splitlines()]
+        return [(r["round"], r["client"], r["step"], r["loss"]) for r in rows if r["event"] == "train_step"]
+
+    assert steps(tmp_path / "split") == steps(tmp_path / "full")
+    assert len(steps(tmp_path / "full")) == 2 * 2 * 2  # rounds x clients x steps, each once
+
+
+def test_training_changes_adapters_and_clients_personalize(tmp_path):
+    run(tiny_config(method="pflalign"), tmp_path, progress=False)
+    payload = _adapters(tmp_path)
+    p0, p1 = (c["personalized"] for c in payload["clients"])
+    assert any(not torch.equal(p0[n], p1[n]) for n in p0)  # two different personalized models
+    assert any(payload["global"][n].abs().sum() > 0 for n in payload["global"] if "lora_B" in n)  # B left zero
+
+
+def test_fedavg_weights_by_client_data_size(tmp_path, monkeypatch):
+    cfg = tiny_config(method="fedavg", rounds=1)
+    fed = Federation(cfg, progress=False)
+    fed.clients[0].data.train = fed.clients[0].data.train[:4]  # 4 vs 12 examples
+    seen = {}
+    original = fed.method.aggregate
+
+    def spy(global_params, messages, weights, server_state, ctx):
+        seen["weights"] = weights
+        seen["messages"] = messages
+        return original(global_params, messages, weights, server_state, ctx)
+
+    monkeypatch.setattr(fed.method, "aggregate", spy)
+    metrics = ckpt.MetricsLog(tmp_path / "m.jsonl")
+    fed.train(tmp_path, 0, metrics, None)
+    assert seen["weights"] == pytest.approx([0.25, 0.75])
+    m0, m1 = (m["params"] for m in seen["messages"])
+    for n, t in fed.global_params.items():
+        assert torch.allclose(t, 0.25 * m0[n] + 0.75 * m1[n], atol=1e-7)
+
+
+def test_same_seed_same_result_other_seed_differs(tmp_path):
+    a = run(tiny_config(seed=1, rounds=1), tmp_path / "a", progress=False)
+    b = run(tiny_config(seed=1, rounds=1), tmp_path / "b", progress=False)
+    run(tiny_config(seed=2, rounds=1), tmp_path / "c", progress=False)
+    _assert_same_params(_adapters(tmp_path / "a")["global"], _adapters(tmp_path / "b")["global"])
+    assert a["clients"] == b["clients"]
+    ga, gc = _adapters(tmp_path / "a")["global"], _adapters(tmp_path / "c")["global"]
+    assert any(not torch.equal(ga[n], gc[n]) for n in ga)
+
+
+def test_opt_family_runs_end_to_end(tmp_path):
+    res = run(tiny_config(model="tiny-opt", rounds=1), tmp_path, progress=False)
+    assert len(res["clients"]) == 2
+
+
+def test_run_directory_is_protected(tmp_path):
+    cfg = tiny_config(rounds=1)
+    run(cfg, tmp_path, progress=False)
+    with pytest.raises(UserError, match="finished run"):
+        run(cfg, tmp_path, progress=False)
+    run(cfg, tmp_path, overwrite=True, progress=False)
+    other = tmp_path / "other"
+    run(tiny_config(), other, stop_after=1, progress=False)
+    with pytest.raises(UserError, match="--resume"):
+        run(tiny_config(), other, progress=False)
+    with pytest.raises(UserError, match="no checkpoint"):
+        run(None, tmp_path / "empty", resume=True, progress=False)
+
+
+def test_partial_participation_is_seeded():
+    assert sample_clients(4, 1.0, 0, 3) == [0, 1, 2, 3]
+    picks = [sample_clients(10, 0.3, 5, r) for r in range(20)]
+    assert all(len(p) == 3 and len(set(p)) == 3 for p in picks)
+    assert picks == [sample_clients(10, 0.3, 5, r) for r in range(20)]
+    assert len({tuple(p) for p in picks}) > 1
+
+
+def test_batch_larger_than_client_data_is_refused():
+    with pytest.raises(UserError, match="fewer than batch_size"):
+        Federation(tiny_config(batch_size=13), progress=False)
+
+
+@pytest.mark.parametrize("method", sorted(__import__("pflalign.methods", fromlist=["METHODS"]).METHODS))
+def test_every_method_runs_two_rounds_end_to_end(tmp_path, method):
+    res = run(tiny_config(method=method, local_steps=1, eval={"max_new_tokens": 2, "batch_size": 4}),
+              tmp_path, progress=False)
+    assert res["method"] == method and len(res["clients"]) == 2
+    assert json.loads((tmp_path / ckpt.RESULTS).read_text())["method"] == method
