@@ -55,7 +55,8 @@ def cmd_methods(args) -> int:
 
     for name, cls in METHODS.items():
         if args.long:
-            doc = (cls.__doc__ or "").strip().splitlines()[0]
+            doc = cls.__doc__ or sys.modules[cls.__module__].__doc__ or ""
+            doc = " ".join(doc.strip().split("\n\n")[0].split())
             print(f"{name:<28} {doc}")
         else:
             print(name)
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
-    for noisy in ("transformers", "peft", "httpx", "huggingface_hub"):
+    for noisy in ("transformers", "peft", "httpx", "huggingface_hub", "absl"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:

@@ -10,6 +10,15 @@ import difflib
 from ..errors import UserError
 from .base import Method
 from .fedavg import FedAvg
+from .feddyn import FedDyn
+from .fedgloss import FedGloSS
+from .fedopt import FedAdagrad, FedAdam, FedYogi
+from .fedprox import FedProx
+from .fedsa_lora import FedSALoRA
+from .fedsam import FedSAM
+from .fedsvd import FedSVD
+from .ffa_lora import FFALoRA
+from .local import Local
 from .pflalign import (
     PFLAlign,
     PFLAlignConstGamma,
@@ -18,19 +27,21 @@ from .pflalign import (
     PFLAlignNoPersonalInit,
     PFLAlignNoPrecond,
 )
+from .scaffold import Scaffold
 
-METHODS: dict[str, type[Method]] = {
-    cls.name: cls
-    for cls in (
-        FedAvg,
-        PFLAlign,
-        PFLAlignNoPrecond,
-        PFLAlignNoCorrection,
-        PFLAlignConstGamma,
-        PFLAlignHardGamma,
-        PFLAlignNoPersonalInit,
-    )
-}
+# The paper's two families of baselines, then pFLAlign and its ablations.
+OPTIMIZER_BASED = (FedAvg, FedProx, FedSAM, Scaffold, FedDyn, FedAdam, FedYogi, FedAdagrad, FedGloSS, Local)
+LORA_MODULATION = (FFALoRA, FedSALoRA, FedSVD)
+PFLALIGN = (
+    PFLAlign,
+    PFLAlignNoPrecond,
+    PFLAlignNoCorrection,
+    PFLAlignConstGamma,
+    PFLAlignHardGamma,
+    PFLAlignNoPersonalInit,
+)
+
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (*PFLALIGN, *OPTIMIZER_BASED, *LORA_MODULATION)}
 
 
 def method_class(name: str) -> type[Method]:

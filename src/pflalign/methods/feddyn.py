@@ -1,0 +1,77 @@
+"""FedDyn (Acar et al., ICLR 2021, "Federated Learning Based on Dynamic
+Regularization"), Algorithm 1.
+
+State: λ_k = 0 on every client (persistent), h = 0 on the server.
+Client k, from w_{k,0} = w^r, T steps of SGD on the dynamically regularised loss
+
+    R_k(w) = f_k(w) − ⟨λ_k, w⟩ + (α/2) ‖w − w^r‖²
+    w ← w − η (g − λ_k + α (w − w^r))
+
+then λ_k ← λ_k − α (w_{k,T} − w^r) and it sends w_{k,T}.
+Server, participants S of N clients (unweighted, as in the paper):
+
+    h       ← h − α (1/N) Σ_{k∈S} (w_{k,T} − w^r)
+    w^{r+1} = (1/|S|) Σ_{k∈S} w_{k,T} − h / α
+
+Mapping: λ_k is the paper's ∇L_k(θ_k) (its linear term is −⟨∇L_k, θ⟩ and its
+update ∇L_k ← ∇L_k − α(θ_k − θ^{t−1})); the official code
+(github.com/alpemreacar/FedDyn) stores s_k = −λ_k / α = Σ_rounds (w_k − w^r)
+and adds α⟨s_k, w⟩, and its server model mean_S(w_k) + mean_all(s_k) is ours,
+since h = (1/N) Σ_all λ_k. We use the paper's unweighted means and ignore
+|D_k| (the fixed point is then the optimum of (1/N) Σ_k f_k); the official code
+instead scales α per client by Σ_j|D_j| / (N |D_k|), which is 1 for balanced
+clients. The paper's weight decay is left to the user (none here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import GradFn, Message, Method, Params, RoundContext, State, StepContext, clone, weighted_average, zeros_like
+
+
+@dataclass
+class FedDynArgs:
+    alpha: float = 0.01  # regularisation strength α
+
+    def __post_init__(self):
+        if self.alpha <= 0:
+            raise ValueError(f"alpha must be > 0 (the server divides by it), got {self.alpha}")
+
+
+class FedDyn(Method):
+    name = "feddyn"
+    Args = FedDynArgs
+
+    def init_client_state(self, global_params: Params) -> State:
+        return {"lambda": zeros_like(global_params)}
+
+    @torch.no_grad()
+    def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
+        with torch.enable_grad():
+            loss, grads = grad_fn()
+        alpha, lam = self.args.alpha, state["lambda"]
+        for n, w in params.items():
+            w.add_(grads[n] - lam[n] + alpha * (w - ctx.global_params[n]), alpha=-ctx.lr)
+        return loss
+
+    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
+        for n, w in params.items():
+            state["lambda"][n].sub_(w.detach() - global_params[n], alpha=self.args.alpha)
+        return {"params": clone(params)}
+
+    def init_server_state(self, global_params: Params) -> State:
+        return {"h": zeros_like(global_params)}
+
+    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
+                  server_state: State, ctx: RoundContext) -> Params:
+        alpha, participants = self.args.alpha, len(messages)
+        mean_params = weighted_average([m["params"] for m in messages], [1.0 / participants] * participants)
+        new = {}
+        for n, h in server_state["h"].items():
+            # Σ_{k∈S} (w_k − w^r) = |S| (mean_S w_k − w^r)
+            h.sub_(mean_params[n] - global_params[n], alpha=alpha * participants / ctx.num_clients)
+            new[n] = mean_params[n] - h / alpha
+        return new

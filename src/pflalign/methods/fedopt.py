@@ -1,0 +1,105 @@
+"""Adaptive federated optimisation (Reddi et al., ICLR 2021, "Adaptive Federated
+Optimization"), Algorithm 2: FedAdam, FedYogi, FedAdagrad.
+
+Clients: T steps of plain SGD from w^r (as FedAvg). Server, element-wise,
+with the pseudo-gradient of the round
+
+    Δ = Σ_k (|D_k| / Σ_j |D_j|) w_k − w^r
+    m = β1 m + (1 − β1) Δ
+    v = β2 v + (1 − β2) Δ²                    (FedAdam)
+    v = v − (1 − β2) Δ² sign(v − Δ²)          (FedYogi)
+    v = v + Δ²                                (FedAdagrad; β2 unused, so not an argument)
+    w^{r+1} = w^r + η m / (√v + τ)
+
+with m = 0 and v = τ² at the start (the paper's v_{−1} ≥ τ²), and no bias
+correction (the paper has none).
+
+Paper vs. code: Flower's strategies (whose structure we follow: one FedOpt base,
+the variants differ only in the v update) start v at 0 rather than τ², and its
+FedAdagrad fixes β1 = 0; we follow the paper's Algorithm 2 for both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Message, Method, Params, RoundContext, State, weighted_average, zeros_like
+
+
+@dataclass
+class FedOptArgs:
+    server_lr: float = 1e-2  # η, the server's step size
+    beta1: float = 0.9  # momentum of the pseudo-gradient
+    tau: float = 1e-3  # adaptivity τ: v starts at τ², and √v + τ is the denominator
+
+    def __post_init__(self):
+        if self.server_lr <= 0:
+            raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
+        if not 0.0 <= self.beta1 < 1.0:
+            raise ValueError(f"beta1 must be in [0, 1), got {self.beta1}")
+        if self.tau <= 0:
+            raise ValueError(f"tau must be > 0, got {self.tau}")
+
+
+@dataclass
+class FedAdamArgs(FedOptArgs):
+    beta2: float = 0.99  # decay of the second moment v
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.beta2 < 1.0:
+            raise ValueError(f"beta2 must be in [0, 1), got {self.beta2}")
+
+
+class FedOpt(Method):
+    """FedAvg's clients with an adaptive server optimiser; subclasses define `update_v`."""
+
+    Args = FedOptArgs
+
+    def init_server_state(self, global_params: Params) -> State:
+        tau_sq = self.args.tau ** 2
+        return {"m": zeros_like(global_params), "v": {n: torch.full_like(t, tau_sq) for n, t in global_params.items()}}
+
+    def update_v(self, v: torch.Tensor, delta_sq: torch.Tensor) -> None:
+        """The second-moment update, in place on v, given Δ²."""
+        raise NotImplementedError
+
+    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
+                  server_state: State, ctx: RoundContext) -> Params:
+        average = weighted_average([m["params"] for m in messages], weights)
+        beta1, lr, tau = self.args.beta1, self.args.server_lr, self.args.tau
+        new = {}
+        for n, w in global_params.items():
+            delta = average[n] - w  # Δ points where the clients went: the server steps along it
+            m, v = server_state["m"][n], server_state["v"][n]
+            m.mul_(beta1).add_(delta, alpha=1 - beta1)
+            self.update_v(v, delta * delta)
+            new[n] = w + lr * m / (v.sqrt() + tau)
+        return new
+
+
+class FedAdam(FedOpt):
+    name = "fedadam"
+    Args = FedAdamArgs
+
+    def update_v(self, v, delta_sq):
+        v.mul_(self.args.beta2).add_(delta_sq, alpha=1 - self.args.beta2)
+
+
+class FedYogi(FedOpt):
+    name = "fedyogi"
+    Args = FedAdamArgs  # same hyperparameters as FedAdam, only the v update differs
+
+    def update_v(self, v, delta_sq):
+        # Yogi moves v towards Δ² by an additive (1 − β2) Δ², never multiplicatively
+        v.sub_((1 - self.args.beta2) * delta_sq * torch.sign(v - delta_sq))
+
+
+class FedAdagrad(FedOpt):
+    name = "fedadagrad"
+    Args = FedOptArgs
+
+    def update_v(self, v, delta_sq):
+        v.add_(delta_sq)

@@ -1,0 +1,82 @@
+"""FedSA-LoRA (Guo et al., ICLR 2025, "Selective Aggregation for Low-Rank
+Adaptation in Federated Learning"): share A, keep B.
+
+The paper's finding: the A matrices learn general knowledge and the B
+matrices client-specific knowledge, so only A is aggregated. For every LoRA
+pair (A_l, B_l):
+
+Client k keeps its own B_k across rounds (state "B", initially the initial
+B^0 = 0 of every client). Round r:
+
+    start:  A ← A^r (from the server),  B ← B_k
+    T steps of plain SGD on both A and B
+    end:    B_k ← B;  it uploads A_k (and every other non-B tensor)
+
+Server (weighted by |D_k|, as FedAvg; the official code, FederatedScope with
+`personalization.local_param: ['lora_B']`, does the same):
+
+    A^{r+1} = Σ_k p_k A_k,     p_k = |D_k| / Σ_j |D_j|
+
+B is never averaged into training: no client ever starts from anything but
+its own B_k.
+
+Personalized model of client k: its local model after its last round, i.e.
+its own trained A_k and B_k. (The other natural choice, the next round's
+global A with the client's own B, cannot be expressed: the engine takes the
+personalized model before the server aggregates.)
+
+Global model for evaluation (FedSA-LoRA itself has no global B; the engine
+needs a full adapter), argument `global_b`:
+
+    "mean" (default): A^{r+1} with B̄ = Σ_k p_k B_k, the weighted mean of the
+        participants' B's. The clients upload their B for this evaluation-only
+        average; it is never sent back nor used in training.
+    "init": A^{r+1} with the initial B^0 (nothing of B leaves a client; with
+        PEFT's B^0 = 0 the global model is then the base model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Message, Method, Params, RoundContext, State, clone, weighted_average
+from .ffa_lora import is_lora_b
+
+GLOBAL_B_RULES = ("mean", "init")
+
+
+@dataclass
+class FedSALoRAArgs:
+    global_b: str = "mean"  # the B of the global (evaluation) model: mean | init
+
+    def __post_init__(self):
+        if self.global_b not in GLOBAL_B_RULES:
+            raise ValueError(f"global_b must be one of {', '.join(GLOBAL_B_RULES)}, got {self.global_b!r}")
+
+
+class FedSALoRA(Method):
+    name = "fedsa-lora"
+    Args = FedSALoRAArgs
+
+    def init_client_state(self, global_params: Params) -> State:
+        return {"B": {n: w.clone() for n, w in global_params.items() if is_lora_b(n)}}
+
+    def client_start(self, global_params: Params, state: State, received: Message) -> Params:
+        return {n: state["B"][n].clone() if is_lora_b(n) else w.clone() for n, w in global_params.items()}
+
+    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
+        own_b = {n: w.detach().clone() for n, w in params.items() if is_lora_b(n)}
+        state["B"] = own_b
+        message = {"shared": {n: w.detach().clone() for n, w in params.items() if not is_lora_b(n)}}
+        if self.args.global_b == "mean":
+            message["eval_B"] = clone(own_b)  # evaluation-only upload, see the module docstring
+        return message
+
+    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
+                  server_state: State, ctx: RoundContext) -> Params:
+        new = weighted_average([m["shared"] for m in messages], weights)
+        if self.args.global_b == "mean":
+            new.update(weighted_average([m["eval_B"] for m in messages], weights))
+        else:
+            new.update({n: w.clone() for n, w in global_params.items() if is_lora_b(n)})  # B^0, never changed
+        return {n: new[n] for n in global_params}  # the engine's order of names

@@ -1,0 +1,67 @@
+"""FFA-LoRA (Sun et al., ICLR 2024, "Improving LoRA in Privacy-preserving
+Federated Learning"): federated freeze-A LoRA.
+
+Every LoRA pair (A_l, B_l) of the adapter ΔW_l = (α/r) B_l A_l:
+
+    A_l is frozen at its random initialisation A_l^0 (never updated, never
+        averaged: the server copies it through bit for bit);
+    B_l starts at 0 (PEFT's init) and is the only trained tensor.
+
+Client k, from w^r, T steps of plain SGD on B only:
+
+    B ← B − η ∇_B f_k(A^0, B)          (A stays A^0; its gradient is ignored)
+
+and it sends its B's only (half of LoRA's upload). Server:
+
+    B^{r+1} = Σ_k (|D_k| / Σ_j |D_j|) B_k,      A^{r+1} = A^r = A^0.
+
+Since all clients share A^0, averaging B averages the adapters B A^0 exactly,
+which is the paper's point (no aggregation error, and DP noise on B only;
+we implement the non-private version, without DP-SGD). The paper also advises
+a larger LoRA α for FFA-LoRA; that is the user's `lora.alpha`, not set here.
+Personalized model of client k: its local model (A^0, B_k) of the last round.
+Tensors that are not LoRA A's (B's, and anything else trainable) are trained
+and averaged as in FedAvg.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import GradFn, Message, Method, Params, RoundContext, State, StepContext, weighted_average
+
+
+def is_lora_a(name: str) -> bool:
+    """PEFT names A as `...lora_A.<adapter>.weight` (B likewise with lora_B)."""
+    return "lora_A" in name
+
+
+def is_lora_b(name: str) -> bool:
+    return "lora_B" in name
+
+
+def lora_b_name(a_name: str) -> str:
+    """The B of the pair that A belongs to."""
+    return a_name.replace("lora_A", "lora_B")
+
+
+class FFALoRA(Method):
+    name = "ffa-lora"
+
+    @torch.no_grad()
+    def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
+        with torch.enable_grad():
+            loss, grads = grad_fn()
+        for n, w in params.items():
+            if not is_lora_a(n):  # A is frozen
+                w.add_(grads[n], alpha=-ctx.lr)
+        return loss
+
+    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
+        return {"params": {n: w.detach().clone() for n, w in params.items() if not is_lora_a(n)}}
+
+    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
+                  server_state: State, ctx: RoundContext) -> Params:
+        averaged = weighted_average([m["params"] for m in messages], weights)
+        # A is copied, not averaged: Σ_k p_k A could differ from A in the last bit.
+        return {n: w.clone() if is_lora_a(n) else averaged[n] for n, w in global_params.items()}

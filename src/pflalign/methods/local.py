@@ -1,0 +1,29 @@
+"""Local training only: the no-collaboration baseline.
+
+Every client keeps its own adapter w_k (at first the initial adapter w^0) and
+continues from it each round it takes part: T steps of plain SGD from w_k,
+then w_k ← w_{k,T}. Nothing is sent and nothing is aggregated, so the
+"global" adapter stays w^0; the personalized model of client k is its w_k.
+"""
+
+from __future__ import annotations
+
+from .base import Message, Method, Params, RoundContext, State, clone
+
+
+class Local(Method):
+    name = "local"
+
+    def init_client_state(self, global_params: Params) -> State:
+        return {"model": clone(global_params)}
+
+    def client_start(self, global_params: Params, state: State, received: Message) -> Params:
+        return clone(state["model"])
+
+    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
+        state["model"] = clone(params)
+        return {}  # nothing leaves the client
+
+    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
+                  server_state: State, ctx: RoundContext) -> Params:
+        return clone(global_params)

@@ -1,0 +1,78 @@
+"""SCAFFOLD (Karimireddy et al., ICML 2020, "SCAFFOLD: Stochastic Controlled
+Averaging for Federated Learning"), Algorithm 1 with option II and global
+step size η_g = 1.
+
+State: server control c = 0; client controls c_k = 0 (persistent on client k).
+The server broadcasts c with w^r. Client k, from w_{k,0} = w^r, K = T steps:
+
+    w ← w − η (g − c_k + c)                         # drift-corrected SGD
+    c_k⁺ = c_k − c + (w^r − w_{k,K}) / (K η)        # option II
+    sends w_{k,K} and Δc_k = c_k⁺ − c_k;  c_k ← c_k⁺
+
+Server, participants S of N clients:
+
+    w^{r+1} = Σ_{k∈S} (|D_k| / Σ_{j∈S} |D_j|) w_{k,K}     (as FedAvg; η_g = 1)
+    c      ← c + (|S|/N) · (1/|S|) Σ_{k∈S} Δc_k            (unweighted, as in the paper)
+
+The paper averages the model updates unweighted too; we weight them by data
+size like every other method here, and keep c's update as in the paper. With
+unequal |D_k| the fixed point is still the optimum of the unweighted mean
+(1/N) Σ_k f_k: there every c_k = ∇f_k(w) and c = (1/N) Σ_k c_k = 0.
+K η is accumulated as Σ_t η over the round's steps (equal to K η for a constant
+η), because `client_end` does not see the step context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import GradFn, Message, Method, Params, RoundContext, State, StepContext, clone, weighted_average, zeros_like
+
+
+class Scaffold(Method):
+    name = "scaffold"
+
+    # ---- client ---------------------------------------------------------------
+    def init_client_state(self, global_params: Params) -> State:
+        return {"c": zeros_like(global_params)}
+
+    def client_start(self, global_params: Params, state: State, received: Message) -> Params:
+        # Round scratch, removed by client_end: the server's c and Σ_t η.
+        state["server_c"] = clone(received["c"])
+        state["scratch"] = {"lr_sum": torch.zeros((), dtype=torch.float64)}
+        return clone(global_params)
+
+    @torch.no_grad()
+    def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
+        with torch.enable_grad():
+            loss, grads = grad_fn()
+        client_c, server_c = state["c"], state["server_c"]
+        for n, w in params.items():
+            w.add_(grads[n] - client_c[n] + server_c[n], alpha=-ctx.lr)
+        state["scratch"]["lr_sum"] += ctx.lr
+        return loss
+
+    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
+        server_c = state.pop("server_c")
+        lr_sum = float(state.pop("scratch")["lr_sum"])  # K η
+        delta_c = {}
+        for n, w in params.items():
+            c_new = state["c"][n] - server_c[n] + (global_params[n] - w.detach()) / lr_sum
+            delta_c[n] = c_new - state["c"][n]
+            state["c"][n] = c_new
+        return {"params": clone(params), "delta_c": delta_c}
+
+    # ---- server ---------------------------------------------------------------
+    def init_server_state(self, global_params: Params) -> State:
+        return {"c": zeros_like(global_params)}
+
+    def broadcast(self, global_params: Params, server_state: State) -> Message:
+        return {"c": clone(server_state["c"])}
+
+    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
+                  server_state: State, ctx: RoundContext) -> Params:
+        participants = len(messages)
+        mean_delta_c = weighted_average([m["delta_c"] for m in messages], [1.0 / participants] * participants)
+        for n, c in server_state["c"].items():
+            c.add_(mean_delta_c[n], alpha=participants / ctx.num_clients)
+        return weighted_average([m["params"] for m in messages], weights)
