@@ -152,3 +152,16 @@ def test_every_method_runs_two_rounds_end_to_end(tmp_path, method):
               tmp_path, progress=False)
     assert res["method"] == method and len(res["clients"]) == 2
     assert json.loads((tmp_path / ckpt.RESULTS).read_text())["method"] == method
+
+
+def test_metrics_record_gsnr_and_consistency_per_round(tmp_path):
+    run(tiny_config(method="fedavg", rounds=2, local_steps=3), tmp_path, progress=False)
+    rows = [json.loads(l) for l in (tmp_path / ckpt.METRICS).read_text().splitlines()]
+    for r in range(2):
+        clients = [x for x in rows if x["event"] == "client_round" and x["round"] == r]
+        (summary,) = [x for x in rows if x["event"] == "round" and x["round"] == r]
+        assert len(clients) == 2 and all(c["gsnr_mean"] > 0 and c["gsnr_ratio"] > 0 for c in clients)
+        # equal client sizes: the data-weighted sums are plain means
+        assert summary["consistency_update_norm"] == pytest.approx(sum(c["update_norm"] for c in clients) / 2)
+        assert summary["consistency_model_norm"] == pytest.approx(sum(c["model_norm"] for c in clients) / 2)
+        assert summary["seconds"] > 0

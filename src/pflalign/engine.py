@@ -23,12 +23,13 @@ from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from .config import RunConfig, build_config, method_args, to_dict
+from .client import local_round
 from .data import ClientData
 from .data.load import load_federation
 from .errors import UserError
 from .evaluate import generate, rouge_l
 from .methods import method_class
-from .methods.base import Method, Params, RoundContext, State, StepContext
+from .methods.base import Method, Params, RoundContext, State
 from .model import FederatedLM
 from .prompts import Encoded, batch_indices, collate_train, encode_prompt, encode_train
 
@@ -116,23 +117,25 @@ class Federation:
             log.warning("%d training examples exceeded max_seq_len=%d and were truncated", self.truncated, cfg.max_seq_len)
 
     # ---- one client's round -------------------------------------------------
-    def train_client(self, client: Client, round_index: int, received: dict, metrics: ckpt.MetricsLog,
-                     bar) -> tuple[dict, list[float]]:
-        cfg, lm, method = self.cfg, self.lm, self.method
-        lm.set_lora(method.client_start(self.global_params, client.state, received))
-        losses = []
-        for t in range(cfg.local_steps):
+    def train_client(self, client: Client, round_index: int, received: dict, metrics: ckpt.MetricsLog, bar):
+        cfg, lm = self.cfg, self.lm
+        batches = []
+        for _ in range(cfg.local_steps):
             idx = batch_indices(client.n_train, cfg.batch_size, client.steps_taken, cfg.seed * 1009 + client.id)
-            batch = collate_train([client.train[i] for i in idx], lm.tokenizer.pad_token_id)
-            ctx = StepContext(round_index, t, cfg.local_steps, cfg.lr, self.global_params)
-            loss = method.local_step(lm.lora, lambda: lm.loss_and_grads(batch), client.state, ctx)
+            batches.append(collate_train([client.train[i] for i in idx], lm.tokenizer.pad_token_id))
             client.steps_taken += 1
-            losses.append(loss)
+
+        def on_step(t, loss):
             metrics.write(event="train_step", round=round_index, client=client.id, step=t, loss=loss)
             bar.update(1)
-        message = method.client_end(self.global_params, lm.lora, client.state)
-        client.personalized = method.personalized(self.global_params, lm.lora, client.state)
-        return message, losses
+
+        result = local_round(lm, self.method, client.state, self.global_params, received, batches,
+                             cfg.lr, round_index, on_step)
+        client.personalized = result.personalized
+        metrics.write(event="client_round", round=round_index, client=client.id,
+                      gsnr_mean=result.gsnr_mean, gsnr_ratio=result.gsnr_ratio,
+                      update_norm=result.update_norm, model_norm=result.model_norm)
+        return result
 
     # ---- the rounds ---------------------------------------------------------
     def train(self, out: Path, start_round: int, metrics: ckpt.MetricsLog, stop_after: int | None) -> int:
@@ -145,20 +148,26 @@ class Federation:
             chosen = sample_clients(len(self.clients), cfg.participation, cfg.seed, r)
             bar = tqdm(total=len(chosen) * cfg.local_steps, desc=f"round {r + 1} local steps", leave=False,
                        disable=not self.progress, unit="step")
-            messages, round_losses = [], {}
             received = self.method.broadcast(self.global_params, self.server_state)
+            results = []
             for k in chosen:
-                message, losses = self.train_client(self.clients[k], r, received, metrics, bar)
-                messages.append(message)
-                round_losses[k] = losses
+                bar.set_postfix(client=self.clients[k].data.task)
+                results.append(self.train_client(self.clients[k], r, received, metrics, bar))
             bar.close()
             total = sum(self.clients[k].n_train for k in chosen)
             weights = [self.clients[k].n_train / total for k in chosen]
             ctx = RoundContext(r, len(self.clients), chosen)
-            self.global_params = self.method.aggregate(self.global_params, messages, weights, self.server_state, ctx)
+            self.global_params = self.method.aggregate(
+                self.global_params, [res.message for res in results], weights, self.server_state, ctx)
             seconds = time.perf_counter() - tic
-            mean_loss = float(np.mean([l for ls in round_losses.values() for l in ls]))
-            metrics.write(event="round", round=r, seconds=seconds, clients=chosen, mean_loss=mean_loss)
+            mean_loss = float(np.mean([l for res in results for l in res.losses]))
+            metrics.write(
+                event="round", round=r, seconds=seconds, clients=chosen, mean_loss=mean_loss,
+                # aggregation consistency: data-weighted size of the client updates, and of the
+                # client models as printed in the paper's formula (see docs/usage.md)
+                consistency_update_norm=sum(w * res.update_norm for w, res in zip(weights, results)),
+                consistency_model_norm=sum(w * res.model_norm for w, res in zip(weights, results)),
+            )
             self.save(out, r + 1, metrics.commit())
             rounds_bar.set_postfix(loss=f"{mean_loss:.3f}")
             if not self.progress:

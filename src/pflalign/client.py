@@ -1,0 +1,120 @@
+"""One client's round: start as the method says, T local steps, send a message.
+
+This is the single implementation of the client side, used by the in-process
+engine (and by any other runtime that drives clients), so a method's client
+rule runs the same way everywhere. It also measures, at no extra forward or
+backward pass, what the paper's analyses need: the gradient signal-to-noise
+ratio (GSNR) of the round's minibatch gradients and the size of the update.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from .methods.base import Message, Method, Params, State, StepContext
+
+
+class GradientStats:
+    """Per-coordinate mean and unbiased variance of a round's minibatch gradients (Welford, float64).
+
+    GSNR_i = mean(g_i)² / var(g_i) over the round's T steps; coordinates with
+    zero variance are left out. Two summaries:
+    ``gsnr_mean`` — the mean of GSNR_i over the coordinates kept;
+    ``gsnr_ratio`` — ‖mean g‖² / Σ_i var(g_i) over all coordinates.
+    Both are None with fewer than two steps (no variance).
+    """
+
+    def __init__(self):
+        self.count = 0
+        self.mean: dict[str, torch.Tensor] = {}
+        self.m2: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def add(self, grads: Params) -> None:
+        self.count += 1
+        for n, g in grads.items():
+            g = g.detach().to(torch.float64)
+            if n not in self.mean:
+                self.mean[n] = torch.zeros_like(g)
+                self.m2[n] = torch.zeros_like(g)
+            delta = g - self.mean[n]
+            self.mean[n].add_(delta / self.count)
+            self.m2[n].add_(delta * (g - self.mean[n]))
+
+    def summary(self) -> tuple[float | None, float | None]:
+        if self.count < 2:
+            return None, None
+        gsnr_sum, kept, mean_sq, var_sum = 0.0, 0, 0.0, 0.0
+        for n, mean in self.mean.items():
+            var = self.m2[n] / (self.count - 1)
+            nonzero = var > 0
+            gsnr_sum += float((mean[nonzero] ** 2 / var[nonzero]).sum())
+            kept += int(nonzero.sum())
+            mean_sq += float((mean**2).sum())
+            var_sum += float(var.sum())
+        gsnr_mean = gsnr_sum / kept if kept else None
+        gsnr_ratio = mean_sq / var_sum if var_sum > 0 else None
+        return gsnr_mean, gsnr_ratio
+
+
+def distance(a: Params, b: Params | None = None) -> float:
+    """‖a − b‖ (or ‖a‖) over all tensors together."""
+    total = 0.0
+    for n, t in a.items():
+        d = t.detach().double() if b is None else t.detach().double() - b[n].double()
+        total += float((d * d).sum())
+    return math.sqrt(total)
+
+
+@dataclass
+class ClientRound:
+    """What a client's round produced, for the server and for the metrics."""
+
+    message: Message  # sent to the server
+    personalized: Params  # the client's personalized adapter after this round
+    losses: list[float]  # minibatch loss of each local step
+    gsnr_mean: float | None
+    gsnr_ratio: float | None
+    update_norm: float  # ‖w_{k,T} − w^r‖
+    model_norm: float  # ‖w_{k,T}‖
+
+
+def local_round(
+    lm, method: Method, state: State, global_params: Params, received: Message,
+    batches: Iterable[dict], lr: float, round_index: int,
+    on_step: Callable[[int, float], None] | None = None,
+) -> ClientRound:
+    """Run one round of `method`'s client rule on the live adapter of `lm`.
+
+    `batches` holds the T minibatches of the round; `state` is the client's
+    persistent method state and is updated in place.
+    """
+    batches = list(batches)
+    lm.set_lora(method.client_start(global_params, state, received))
+    stats = GradientStats()
+    losses = []
+    for t, batch in enumerate(batches):
+        first_call = [True]
+
+        def grad_fn(batch=batch, first_call=first_call):
+            loss, grads = lm.loss_and_grads(batch)
+            if first_call[0]:  # the minibatch gradient at w_{k,t} (SAM's second call is not)
+                stats.add(grads)
+                first_call[0] = False
+            return loss, grads
+
+        ctx = StepContext(round=round_index, step=t, num_steps=len(batches), lr=lr, global_params=global_params)
+        loss = method.local_step(lm.lora, grad_fn, state, ctx)
+        losses.append(loss)
+        if on_step is not None:
+            on_step(t, loss)
+    local = {n: p.detach() for n, p in lm.lora.items()}
+    update_norm, model_norm = distance(local, global_params), distance(local)
+    message = method.client_end(global_params, lm.lora, state)
+    personalized = method.personalized(global_params, lm.lora, state)
+    gsnr_mean, gsnr_ratio = stats.summary()
+    return ClientRound(message, personalized, losses, gsnr_mean, gsnr_ratio, update_norm, model_norm)

@@ -1,0 +1,71 @@
+"""The shared client round: GSNR and update norms against hand computations."""
+
+import math
+
+import pytest
+import torch
+
+from pflalign.client import GradientStats, distance, local_round
+from pflalign.methods import METHODS
+
+
+def test_gsnr_by_hand():
+    stats = GradientStats()
+    for g in ([1.0, 2.0, 0.0], [3.0, 2.0, 0.0], [2.0, 5.0, 0.0]):
+        # split over two tensors: the summaries run over all coordinates together
+        stats.add({"a": torch.tensor(g[:2]), "b": torch.tensor(g[2:])})
+    # mean = (2, 3, 0); unbiased var = (1, 3, 0); the zero-variance coordinate is left out
+    gsnr_mean, gsnr_ratio = stats.summary()
+    assert gsnr_mean == pytest.approx((4 / 1 + 9 / 3) / 2)
+    assert gsnr_ratio == pytest.approx((4 + 9 + 0) / (1 + 3 + 0))
+
+
+def test_gsnr_needs_two_steps():
+    stats = GradientStats()
+    stats.add({"a": torch.tensor([1.0])})
+    assert stats.summary() == (None, None)
+
+
+class QuadraticLM:
+    """Stands in for FederatedLM: one tensor w, loss ½‖w − c_batch‖², gradient w − c_batch."""
+
+    def __init__(self):
+        self.lora = {"w": torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))}
+
+    def set_lora(self, params):
+        with torch.no_grad():
+            self.lora["w"].copy_(params["w"])
+
+    def loss_and_grads(self, batch):
+        g = self.lora["w"].detach() - batch["target"]
+        return float(0.5 * (g * g).sum()), {"w": g.clone()}
+
+
+def test_local_round_measures_gsnr_and_update_size():
+    lm = QuadraticLM()
+    glob = {"w": torch.tensor([1.0, -1.0], dtype=torch.float64)}
+    targets = [torch.tensor([3.0, -1.0], dtype=torch.float64), torch.tensor([0.0, 1.0], dtype=torch.float64)]
+    lr = 0.5
+    method = METHODS["fedavg"]()
+    res = local_round(lm, method, {}, glob, {}, [{"target": t} for t in targets], lr, 0)
+    # by hand: g0 = w0 − t0 = (−2, 0); w1 = (2, −1); g1 = w1 − t1 = (2, −2); w2 = (1, 0)
+    assert res.personalized["w"].tolist() == pytest.approx([1.0, 0.0])
+    assert res.losses == pytest.approx([2.0, 4.0])
+    # mean g = (0, −1); var = (8, 2): GSNR = (0, 0.5)
+    assert res.gsnr_mean == pytest.approx(0.25)
+    assert res.gsnr_ratio == pytest.approx(1 / 10)
+    assert res.update_norm == pytest.approx(1.0)  # ‖(1, 0) − (1, −1)‖
+    assert res.model_norm == pytest.approx(1.0)
+    assert distance({"w": torch.tensor([3.0, 4.0])}) == pytest.approx(5.0)
+
+
+def test_sam_gradient_statistics_use_the_first_gradient_only():
+    lm = QuadraticLM()
+    glob = {"w": torch.tensor([1.0, -1.0], dtype=torch.float64)}
+    batches = [{"target": torch.tensor([3.0, -1.0], dtype=torch.float64)},
+               {"target": torch.tensor([0.0, 1.0], dtype=torch.float64)}]
+    plain = local_round(QuadraticLM(), METHODS["fedavg"](), {}, glob, {}, batches, 0.5, 0)
+    sam = local_round(lm, METHODS["fedsam"](METHODS["fedsam"].Args(rho=0.0)), {}, glob, {}, batches, 0.5, 0)
+    assert sam.gsnr_mean == plain.gsnr_mean and sam.gsnr_ratio == plain.gsnr_ratio
+    sam2 = local_round(QuadraticLM(), METHODS["fedsam"](), {}, glob, {}, batches, 0.5, 0)
+    assert math.isfinite(sam2.gsnr_ratio)
