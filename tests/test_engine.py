@@ -165,3 +165,19 @@ def test_metrics_record_gsnr_and_consistency_per_round(tmp_path):
         assert summary["consistency_update_norm"] == pytest.approx(sum(c["update_norm"] for c in clients) / 2)
         assert summary["consistency_model_norm"] == pytest.approx(sum(c["model_norm"] for c in clients) / 2)
         assert summary["seconds"] > 0
+
+
+def test_divergence_names_client_round_step_and_keeps_last_checkpoint(tmp_path):
+    from pflalign.errors import TrainingDiverged
+
+    out = tmp_path / "run"
+    run(tiny_config(method="fedavg", rounds=3), out, stop_after=1, progress=False)
+    before = (out / ckpt.CHECKPOINT).read_bytes()
+    # an absurd learning rate, resumed from the good round-1 checkpoint
+    cfg = json.loads((out / ckpt.CONFIG).read_text())
+    cfg["lr"] = 1e30
+    (out / ckpt.CONFIG).write_text(json.dumps(cfg))
+    with pytest.raises(TrainingDiverged, match=r"client 0 \(arithmetic\).*round 2, local step \d.*lower learning rate"):
+        run(None, out, resume=True, progress=False)
+    assert (out / ckpt.CHECKPOINT).read_bytes() == before
+    assert not (out / ckpt.RESULTS).exists()

@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from .errors import TrainingDiverged
 from .methods.base import Message, Method, Params, State, StepContext
 
 
@@ -83,6 +84,17 @@ class ClientRound:
     model_norm: float  # ‖w_{k,T}‖
 
 
+def _check_finite(loss: float, params: Params, round_index: int, step: int, lr: float) -> None:
+    bad = None if math.isfinite(loss) else "the loss"
+    if bad is None:
+        bad = next((n for n, p in params.items() if not torch.isfinite(p).all()), None)
+    if bad is not None:
+        raise TrainingDiverged(
+            f"non-finite value in {bad} at round {round_index + 1}, local step {step + 1} (lr={lr:g}); "
+            "the last finished round is checkpointed: try a lower learning rate"
+        )
+
+
 def local_round(
     lm, method: Method, state: State, global_params: Params, received: Message,
     batches: Iterable[dict], lr: float, round_index: int,
@@ -109,6 +121,7 @@ def local_round(
 
         ctx = StepContext(round=round_index, step=t, num_steps=len(batches), lr=lr, global_params=global_params)
         loss = method.local_step(lm.lora, grad_fn, state, ctx)
+        _check_finite(loss, lm.lora, round_index, t, lr)
         losses.append(loss)
         if on_step is not None:
             on_step(t, loss)

@@ -26,7 +26,7 @@ from .config import RunConfig, build_config, method_args, to_dict
 from .client import local_round
 from .data import ClientData
 from .data.load import load_federation
-from .errors import UserError
+from .errors import TrainingDiverged, UserError
 from .evaluate import generate, rouge_l
 from .methods import method_class
 from .methods.base import Method, Params, RoundContext, State
@@ -129,8 +129,11 @@ class Federation:
             metrics.write(event="train_step", round=round_index, client=client.id, step=t, loss=loss)
             bar.update(1)
 
-        result = local_round(lm, self.method, client.state, self.global_params, received, batches,
-                             cfg.lr, round_index, on_step)
+        try:
+            result = local_round(lm, self.method, client.state, self.global_params, received, batches,
+                                 cfg.lr, round_index, on_step)
+        except TrainingDiverged as exc:
+            raise TrainingDiverged(f"client {client.id} ({client.data.task}): {exc}") from None
         client.personalized = result.personalized
         metrics.write(event="client_round", round=round_index, client=client.id,
                       gsnr_mean=result.gsnr_mean, gsnr_ratio=result.gsnr_ratio,

@@ -7,3 +7,7 @@ else is a bug and keeps its traceback.
 
 class UserError(Exception):
     """Bad input from the user: a file, a config key, a category, a value."""
+
+
+class TrainingDiverged(UserError):
+    """A NaN or Inf appeared in a loss or in the weights: usually a too large learning rate."""
