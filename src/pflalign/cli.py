@@ -1,4 +1,4 @@
-"""`pflalign` command line: run, methods, fetch-model.
+"""`pflalign` command line: run, sweep, report, methods, fetch-model.
 
 Bad input (a `UserError`) ends with one line on stderr and exit status 2.
 """
@@ -50,6 +50,37 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from .config import parse_set
+    from .sweep import plan_sweep, run_sweep
+
+    seeds = None
+    if args.seeds is not None:
+        try:
+            seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
+    runs = plan_sweep(args.config, Path(args.out), parse_set(args.set or []), args.data_dir, seeds)
+    if args.dry_run:
+        for r in runs:
+            print(f"{r.key:<40} {r.state():<10} {r.out}")
+        return 0
+    try:
+        run_sweep(runs, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print("pflalign: interrupted; rerun the same sweep command to continue where it stopped", file=sys.stderr)
+        return 130
+    print(f"\n{len(runs)} runs finished under {args.out}; tables and figures: pflalign report {args.out} --out REPORT_DIR")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .report import write_report
+
+    print(write_report(Path(args.dir), Path(args.out), client=args.client))
+    return 0
+
+
 def cmd_methods(args) -> int:
     from .methods import METHODS
 
@@ -85,6 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop-after-rounds", type=int, metavar="N", help="stop (checkpointed) after N more rounds")
     run.add_argument("--no-progress", action="store_true", help="no progress bars (log lines instead)")
     run.set_defaults(func=cmd_run)
+
+    sweep = sub.add_parser("sweep", help="run a grid of datasets x methods x seeds, skipping finished runs")
+    sweep.add_argument("--config", required=True, help="a sweep preset (table1-flan, table1-dolly) or a TOML/JSON sweep file")
+    sweep.add_argument("--out", required=True, help="sweep directory: runs go to OUT/<dataset>/<method>/seed<k>/")
+    sweep.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a run-config key in every run (repeatable)")
+    sweep.add_argument("--data-dir", help="the dataset location (a sweep with one dataset)")
+    sweep.add_argument("--seeds", metavar="S,S,...", help="replace the sweep's seeds, e.g. 0,1")
+    sweep.add_argument("--dry-run", action="store_true", help="list the runs and their state, run nothing")
+    sweep.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sweep.set_defaults(func=cmd_sweep)
+
+    report = sub.add_parser("report", help="tables and figures from finished runs")
+    report.add_argument("dir", help="folder holding finished runs (e.g. a sweep's --out)")
+    report.add_argument("--out", required=True, help="folder for report.md, tables and figures")
+    report.add_argument("--client", metavar="TASK", help="client of the GSNR and loss figures (default: structure_to_text, else the first)")
+    report.set_defaults(func=cmd_report)
 
     methods = sub.add_parser("methods", help="list the available methods")
     methods.add_argument("-l", "--long", action="store_true", help="with one line of description")

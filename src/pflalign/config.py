@@ -36,6 +36,8 @@ class EvalConfig:
     max_new_tokens: int = 128
     batch_size: int = 16
     base_model: bool = True  # also score the untrained base model
+    every: int = 0  # also score every N rounds (ROUGE-L curves); 0: only at the end
+    every_max_test: int | None = 20  # test examples per client for those per-round scores; None: all
 
 
 @dataclass
@@ -204,13 +206,15 @@ def validate(cfg: RunConfig) -> None:
         (cfg.lora.alpha > 0, f"lora.alpha must be > 0, got {cfg.lora.alpha}"),
         (cfg.eval.max_new_tokens > 0, f"eval.max_new_tokens must be > 0, got {cfg.eval.max_new_tokens}"),
         (cfg.eval.batch_size > 0, f"eval.batch_size must be > 0, got {cfg.eval.batch_size}"),
+        (cfg.eval.every >= 0, f"eval.every must be >= 0, got {cfg.eval.every}"),
         (cfg.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}"),
         (cfg.device in ("cpu", "cuda", "auto") or cfg.device.startswith("cuda:"), f"device must be cpu, cuda or auto, got {cfg.device!r}"),
     ]
     for ok, message in checks:
         if not ok:
             raise UserError(message)
-    for name, value in (("data.max_train", cfg.data.max_train), ("data.max_test", cfg.data.max_test)):
+    for name, value in (("data.max_train", cfg.data.max_train), ("data.max_test", cfg.data.max_test),
+                        ("eval.every_max_test", cfg.eval.every_max_test)):
         if value is not None and value <= 0:
             raise UserError(f"{name} must be > 0, got {value}")
     method_args(cfg)  # unknown method or hyperparameter fails here, before any work

@@ -52,6 +52,56 @@ class Client:
         return len(self.data.train)
 
 
+# ---- client-side steps shared with the Flower ClientApp (pflalign.flower) ------
+def make_client(k: int, data: ClientData, tokenizer, cfg: RunConfig, state: State) -> Client:
+    """Client k with its training examples tokenized (checked against batch_size)."""
+    if len(data.train) < cfg.batch_size:
+        raise UserError(
+            f"client {k} ({data.task}) has {len(data.train)} training examples, fewer than batch_size={cfg.batch_size}"
+        )
+    return Client(k, data, [encode_train(tokenizer, ex, cfg.max_seq_len) for ex in data.train], state)
+
+
+def draw_batches(client: Client, cfg: RunConfig, pad_id: int) -> list[dict]:
+    """The client's T minibatches of its next round (advances `steps_taken`): a pure
+    function of (seed, client, step), wherever the client runs."""
+    batches = []
+    for _ in range(cfg.local_steps):
+        idx = batch_indices(client.n_train, cfg.batch_size, client.steps_taken, cfg.seed * 1009 + client.id)
+        batches.append(collate_train([client.train[i] for i in idx], pad_id))
+        client.steps_taken += 1
+    return batches
+
+
+def score_client(lm: FederatedLM, test: list, adapter: Params | None, cfg: RunConfig, desc: str,
+                 progress: bool) -> tuple[float, list[str]]:
+    """ROUGE-L and generations on `test` with `adapter` (None: the base model, adapter switched off)."""
+    prompts = [encode_prompt(lm.tokenizer, ex, cfg.max_seq_len)[0] for ex in test]
+    if adapter is not None:
+        lm.set_lora(adapter)
+    with lm.model.disable_adapter() if adapter is None else contextlib.nullcontext():
+        preds = generate(lm.model, lm.tokenizer, prompts, cfg.eval.max_new_tokens, cfg.eval.batch_size,
+                         desc=desc, progress=progress)
+    return rouge_l(preds, [ex.response for ex in test]), preds
+
+
+def summarize(cfg: RunConfig, rows: list[dict], truncated: int) -> dict:
+    """`results.json` from the per-client rows (averages are plain means over clients)."""
+
+    def mean(key):
+        values = [r[key] for r in rows if r[key] is not None]
+        return float(np.mean(values)) if values else None
+
+    return {
+        "method": cfg.method, "dataset": cfg.data.name, "seed": cfg.seed, "model": cfg.model,
+        "rounds": cfg.rounds, "local_steps": cfg.local_steps, "clients": rows,
+        "avg_rouge_l_personalized": mean("rouge_l_personalized"),
+        "avg_rouge_l_global": mean("rouge_l_global"),
+        "avg_rouge_l_base": mean("rouge_l_base"),
+        "truncated_train_examples": truncated,
+    }
+
+
 def sample_clients(num_clients: int, fraction: float, seed: int, round_index: int) -> list[int]:
     """Participants of a round: all by default, else a seeded sample (a pure function of seed and round)."""
     if fraction >= 1.0:
@@ -106,24 +156,16 @@ class Federation:
         self.clients = []
         self.truncated = 0
         for k, data in enumerate(datasets):
-            if len(data.train) < cfg.batch_size:
-                raise UserError(
-                    f"client {k} ({data.task}) has {len(data.train)} training examples, fewer than batch_size={cfg.batch_size}"
-                )
-            encoded = [encode_train(self.lm.tokenizer, ex, cfg.max_seq_len) for ex in data.train]
-            self.truncated += sum(e.truncated for e in encoded)
-            self.clients.append(Client(k, data, encoded, self.method.init_client_state(self.global_params)))
+            client = make_client(k, data, self.lm.tokenizer, cfg, self.method.init_client_state(self.global_params))
+            self.truncated += sum(e.truncated for e in client.train)
+            self.clients.append(client)
         if self.truncated:
             log.warning("%d training examples exceeded max_seq_len=%d and were truncated", self.truncated, cfg.max_seq_len)
 
     # ---- one client's round -------------------------------------------------
     def train_client(self, client: Client, round_index: int, received: dict, metrics: ckpt.MetricsLog, bar):
         cfg, lm = self.cfg, self.lm
-        batches = []
-        for _ in range(cfg.local_steps):
-            idx = batch_indices(client.n_train, cfg.batch_size, client.steps_taken, cfg.seed * 1009 + client.id)
-            batches.append(collate_train([client.train[i] for i in idx], lm.tokenizer.pad_token_id))
-            client.steps_taken += 1
+        batches = draw_batches(client, cfg, lm.tokenizer.pad_token_id)
 
         def on_step(t, loss):
             metrics.write(event="train_step", round=round_index, client=client.id, step=t, loss=loss)
@@ -171,6 +213,8 @@ class Federation:
                 consistency_update_norm=sum(w * res.update_norm for w, res in zip(weights, results)),
                 consistency_model_norm=sum(w * res.model_norm for w, res in zip(weights, results)),
             )
+            if cfg.eval.every and (r + 1) % cfg.eval.every == 0:
+                self.round_eval(r, metrics)
             self.save(out, r + 1, metrics.commit())
             rounds_bar.set_postfix(loss=f"{mean_loss:.3f}")
             if not self.progress:
@@ -205,27 +249,37 @@ class Federation:
         return payload["rounds_done"]
 
     # ---- evaluation ---------------------------------------------------------
-    def _score(self, adapter_of, label: str) -> tuple[list[float], list[list[str]]]:
-        """ROUGE-L of every client on its own test split, with the adapter
-        `adapter_of(client)` (None: the base model, adapters switched off)."""
-        lm, cfg = self.lm, self.cfg
+    def _score(self, adapter_of, label: str, limit: int | None = None) -> tuple[list[float], list[list[str]]]:
+        """ROUGE-L of every client on its own test split (its first `limit`
+        examples when given), with the adapter `adapter_of(client)` (None: the
+        base model, adapters switched off)."""
         scores, outputs = [], []
         for c in self.clients:
-            prompts = [encode_prompt(lm.tokenizer, ex, cfg.max_seq_len)[0] for ex in c.data.test]
-            adapter = adapter_of(c)
-            if adapter is not None:
-                lm.set_lora(adapter)
-            with lm.model.disable_adapter() if adapter is None else contextlib.nullcontext():
-                preds = generate(lm.model, lm.tokenizer, prompts, cfg.eval.max_new_tokens, cfg.eval.batch_size,
-                                 desc=f"eval {label} {c.data.task}", progress=self.progress)
-            scores.append(rouge_l(preds, [ex.response for ex in c.data.test]))
+            score, preds = score_client(self.lm, c.data.test[:limit], adapter_of(c), self.cfg,
+                                        f"eval {label} {c.data.task}", self.progress)
+            scores.append(score)
             outputs.append(preds)
         return scores, outputs
 
+    def _personalized(self, c: Client) -> Params:
+        """A client's personalized adapter; the global one before its first round."""
+        return c.personalized if c.personalized is not None else self.global_params
+
+    def round_eval(self, round_index: int, metrics: ckpt.MetricsLog) -> None:
+        """Score every client on its first `eval.every_max_test` test examples
+        after a round (for ROUGE-L curves). Runs under a forked RNG so that
+        switching it on never changes the training."""
+        limit = self.cfg.eval.every_max_test
+        with torch.random.fork_rng(devices=[]):
+            personal, _ = self._score(self._personalized, f"round {round_index + 1} personalized", limit)
+            global_, _ = self._score(lambda c: self.global_params, f"round {round_index + 1} global", limit)
+        for c, p, g in zip(self.clients, personal, global_):
+            metrics.write(event="round_eval", round=round_index, client=c.id, task=c.data.task,
+                          n_test=len(c.data.test[:limit]), rouge_l_personalized=p, rouge_l_global=g)
+
     def evaluate(self) -> tuple[dict, list[dict]]:
         cfg = self.cfg
-        personal_scores, personal_out = self._score(
-            lambda c: c.personalized if c.personalized is not None else self.global_params, "personalized")
+        personal_scores, personal_out = self._score(self._personalized, "personalized")
         global_scores, global_out = self._score(lambda c: self.global_params, "global")
         none = [None] * len(self.clients)
         base_scores, base_out = self._score(lambda c: None, "base") if cfg.eval.base_model else (none, none)
@@ -242,20 +296,7 @@ class Federation:
                     "personalized": personal_out[i][j], "global": global_out[i][j],
                     "base": base_out[i][j] if base_out[i] is not None else None,
                 })
-
-        def mean(key):
-            values = [r[key] for r in rows if r[key] is not None]
-            return float(np.mean(values)) if values else None
-
-        results = {
-            "method": cfg.method, "dataset": cfg.data.name, "seed": cfg.seed, "model": cfg.model,
-            "rounds": cfg.rounds, "local_steps": cfg.local_steps, "clients": rows,
-            "avg_rouge_l_personalized": mean("rouge_l_personalized"),
-            "avg_rouge_l_global": mean("rouge_l_global"),
-            "avg_rouge_l_base": mean("rouge_l_base"),
-            "truncated_train_examples": self.truncated,
-        }
-        return results, predictions
+        return summarize(cfg, rows, self.truncated), predictions
 
 
 def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
@@ -275,7 +316,7 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
     else:
         out.mkdir(parents=True, exist_ok=True)
         ckpt.write_json(out / ckpt.CONFIG, to_dict(cfg))
-        metrics = ckpt.MetricsLog(out / ckpt.METRICS)
+        metrics = ckpt.MetricsLog(out / ckpt.METRICS, resume_offset=0)  # drop lines of a run that never checkpointed
     tic = time.perf_counter()
     try:
         done = fed.train(out, start, metrics, stop_after)

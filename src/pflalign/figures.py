@@ -1,0 +1,224 @@
+"""The report's figures (matplotlib, Agg backend, PNG), one dataset at a time.
+
+Every curve is a mean over the method's seeds. Each method keeps one colour in
+every figure: the colour is fixed by the method's place in the registry
+(families in the paper's order), not by which methods a report happens to
+hold; pFLAlign is drawn black and thicker, LoRA-modulation baselines dashed.
+A figure whose data is missing (e.g. no `round_eval` lines) is skipped and
+the reason is returned for report.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+import zlib
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from .report import DEFAULT_CLIENT, FAMILIES, Row, Run, family, label, method_order  # noqa: E402
+
+DPI = 150
+_KNOWN = [m for _, members in FAMILIES for m in members if m != "pflalign"]
+_TAB20 = plt.get_cmap("tab20").colors
+_PALETTE = list(_TAB20[0::2]) + list(_TAB20[1::2])  # the 10 strong colours first, then their light twins
+
+
+def style(method: str) -> dict:
+    """Colour, line style and width of a method, the same in every figure."""
+    if method == "pflalign":
+        return {"color": "black", "linestyle": "-", "linewidth": 2.4, "zorder": 5}
+    if method in _KNOWN:
+        color = _PALETTE[_KNOWN.index(method) % len(_PALETTE)]
+    else:
+        color = plt.get_cmap("tab20b").colors[zlib.crc32(method.encode()) % 20]
+    dashes = {"LoRA-modulation": "--", "pFLAlign": "-."}.get(family(method), "-")
+    return {"color": color, "linestyle": dashes, "linewidth": 1.4, "zorder": 3}
+
+
+def _mean_curve(runs: list[Run], points) -> tuple[list, list]:
+    """Mean over runs of {x: y} curves (x kept where any run has it)."""
+    by_x: dict = {}
+    for r in runs:
+        for x, y in points(r).items():
+            if y is not None:
+                by_x.setdefault(x, []).append(y)
+    xs = sorted(by_x)
+    return xs, [statistics.fmean(by_x[x]) for x in xs]
+
+
+def _moving_mean(xs: list, ys: list, window: int) -> tuple[list, list]:
+    """Trailing mean over `window` points (from the window-th point on): a readable loss curve."""
+    return xs[window - 1:], [statistics.fmean(ys[i - window + 1:i + 1]) for i in range(window - 1, len(ys))]
+
+
+def _client_id(run: Run, task: str) -> int | None:
+    return next((c["id"] for c in run.results["clients"] if c["task"] == task), None)
+
+
+def _line_figure(path: Path, by_method: dict, panels: list[tuple], xlabel: str, title: str,
+                 log_y: bool = False, y_from_zero: bool = False) -> bool:
+    """Curves of every method, one panel per (key, y label); a shared legend on the right.
+    `log_y`: log scale when the values span more than a decade. Returns False
+    (and writes nothing) when no panel has a point."""
+    if not any(by_method[m][key][0] for m in by_method for key, _ in panels):
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 1.8, 3.9), layout="constrained",
+                             squeeze=False)
+    for ax, (key, ylabel) in zip(axes[0], panels):
+        for method, curves in by_method.items():
+            xs, ys = curves[key]
+            if xs:
+                ax.plot(xs, ys, label=label(method), marker="o" if len(xs) <= 12 else None,
+                        markersize=3.5, **style(method))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        values = [y for m in by_method for y in by_method[m][key][1]]
+        if log_y and values and min(values) > 0 and max(values) > 10 * min(values):
+            ax.set_yscale("log")
+        else:
+            ax.ticklabel_format(axis="y", useOffset=False)  # "+3.3e1" offsets are hard to read
+        if y_from_zero:
+            ax.set_ylim(0, max(1.0, *values) * 1.05)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=8.5, frameon=False)
+    if len(panels) == 1:
+        axes[0][0].set_title(title, fontsize=11)  # over the axes, clear of the legend
+    else:
+        fig.suptitle(title, fontsize=11)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
+def _by_method(runs: list[Run], curves: dict) -> dict:
+    """{method: {curve name: (xs, ys)}} with `curves` = {name: run → {x: y}}."""
+    return {m: {name: _mean_curve([r for r in runs if r.method == m], fn) for name, fn in curves.items()}
+            for m in method_order(r.method for r in runs)}
+
+
+def _rouge_bars(path: Path, tasks: list[str], rows: list[Row]) -> None:
+    """Grouped bars: one group per client (and Avg), one bar per method, 95% CI whiskers."""
+    groups = [*tasks, "Avg"]
+    n = len(rows)
+    width = 0.84 / n
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.2 + len(groups) * (0.6 + 0.12 * n)), 4.2), layout="constrained")
+    for i, row in enumerate(rows):
+        means = [row.cells.get(t, float("nan")) for t in tasks] + [row.avg]
+        cis = [row.cell_ci.get(t) for t in tasks] + [row.avg_ci]
+        xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
+        errs = [c if c is not None else 0.0 for c in cis]
+        st = style(row.method)
+        ax.bar(xs, means, width, color=st["color"], label=label(row.method),
+               edgecolor="black" if row.method == "pflalign" else "none", linewidth=0.6,
+               yerr=errs if any(errs) else None, error_kw={"elinewidth": 0.7, "capsize": 1.5, "ecolor": "0.3"})
+    ax.set_xticks(range(len(groups)), groups)
+    top = max([1.0] + [r.avg + (r.avg_ci or 0) for r in rows]
+              + [v + (r.cell_ci.get(t) or 0) for r in rows for t, v in r.cells.items()])
+    ax.set_ylim(0, min(top, 100.0) * 1.05)  # ROUGE-L ≤ 100: longer whiskers (few seeds) are cut there
+    ax.set_ylabel("personalized ROUGE-L (×100)")
+    ax.set_xlabel("client (task); bars: mean over seeds, whiskers: 95% CI")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    fig.legend(loc="outside right upper", fontsize=8.5, frameon=False)
+    ax.set_title("Personalized ROUGE-L per client", fontsize=11)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Path,
+                  client: str | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+    """Draw one dataset's figures into `folder`; returns ([(title, file name)], [reasons for skipped ones])."""
+    drawn, skipped = [], []
+    if client is not None and client not in tasks:
+        skipped.append(f"client {client!r} is not in this dataset ({', '.join(tasks)}); "
+                       f"the per-client figures use the default instead")
+        client = None
+    task = client or (DEFAULT_CLIENT if DEFAULT_CLIENT in tasks else tasks[0])
+
+    def of_client(event: str, key: str, x):
+        def points(r: Run) -> dict:
+            cid = _client_id(r, task)
+            return {x(r, m): m.get(key) for m in r.events(event) if m.get("client") == cid}
+        return points
+
+    by_round = lambda r, m: m["round"] + 1  # noqa: E731
+    by_step = lambda r, m: m["round"] * r.config.get("local_steps", 1) + m["step"] + 1  # noqa: E731
+
+    def add(name: str, title: str, draw, why: str) -> None:
+        """Draw one figure; a figure without data, or with malformed lines, is skipped with a note."""
+        try:
+            ok = draw(folder / name)
+        except (KeyError, TypeError, ValueError) as exc:
+            ok, why = False, f"could not be drawn from the metrics ({type(exc).__name__}: {exc})"
+            plt.close("all")
+        if ok:
+            drawn.append((title, name))
+        else:
+            skipped.append(f"{title}: {why}")
+
+    def gsnr(path: Path) -> bool:
+        curves = _by_method(runs, {"gsnr_mean": of_client("client_round", "gsnr_mean", by_round),
+                                   "gsnr_ratio": of_client("client_round", "gsnr_ratio", by_round)})
+        return _line_figure(path, curves,
+                            [("gsnr_mean", r"mean GSNR$_i$ over coordinates"),
+                             ("gsnr_ratio", r"GSNR ratio  $\|\bar g\|^2 \,/\, \Sigma_i\, \mathrm{var}(g_i)$")],
+                            "round", f"Gradient signal-to-noise ratio of local minibatch gradients, client {task}",
+                            log_y=True)
+
+    def loss(path: Path) -> bool:
+        curves = _by_method(runs, {"loss": of_client("train_step", "loss", by_step)})
+        window = max(r.config.get("local_steps", 1) for r in runs)
+        ylabel = "training loss (minibatch)"
+        if max(len(c["loss"][0]) for c in curves.values()) > 60 and window > 1:  # many steps: one round's mean
+            curves = {m: {"loss": _moving_mean(*c["loss"], window)} for m, c in curves.items()}
+            ylabel = f"training loss (mean of the last {window} steps)"
+        return _line_figure(path, curves, [("loss", ylabel)], "local step (all rounds)",
+                            f"Training loss, client {task}")
+
+    def consistency(path: Path) -> bool:
+        def of_round(key):
+            return lambda r: {m["round"] + 1: m.get(key) for m in r.events("round")}
+
+        curves = _by_method(runs, {"update": of_round("consistency_update_norm"),
+                                   "model": of_round("consistency_model_norm")})
+        return _line_figure(path, curves,
+                            [("update", r"update norm  $\Sigma_k\, p_k \|w_k^{r+1} - w^r\|$"),
+                             ("model", r"model norm  $\Sigma_k\, p_k \|w_k^{r+1}\|$")],
+                            "round", r"Aggregation consistency, $p_k = |D_k| \,/\, \Sigma_j |D_j|$")
+
+    def bars(path: Path) -> bool:
+        _rouge_bars(path, tasks, rows)
+        return True
+
+    def rouge_rounds(path: Path) -> bool:
+        def eval_mean(key):
+            def points(r: Run) -> dict:
+                per_round: dict = {}
+                for m in r.events("round_eval"):
+                    per_round.setdefault(m["round"] + 1, []).append(m[key])
+                return {x: statistics.fmean(v) for x, v in per_round.items()}
+            return points
+
+        curves = _by_method(runs, {"personalized": eval_mean("rouge_l_personalized"),
+                                   "global": eval_mean("rouge_l_global")})
+        return _line_figure(path, curves,
+                            [("personalized", "personalized ROUGE-L, mean over clients"),
+                             ("global", "global ROUGE-L, mean over clients")],
+                            "round", "ROUGE-L over rounds on the per-round test subsample (eval.every)",
+                            y_from_zero=True)
+
+    add("gsnr.png", f"GSNR over rounds, client {task}", gsnr, "no GSNR values (it needs local_steps ≥ 2)")
+    add("loss.png", f"Training loss over local steps, client {task}", loss, "no train_step lines")
+    add("consistency.png", "Aggregation consistency over rounds", consistency,
+        "no consistency values in the round lines")
+    add("rouge_clients.png", "Personalized ROUGE-L per client", bars, "")
+    add("rouge_rounds.png", "ROUGE-L over rounds (test subsample)", rouge_rounds,
+        "no round_eval lines (runs made without eval.every)")
+    return drawn, skipped

@@ -1,0 +1,299 @@
+"""`pflalign report`: the paper's Table 1 and figures from finished runs.
+
+Scans a folder for finished runs (a directory with `results.json`,
+`metrics.jsonl` and `config.json`), groups them by dataset and method, and
+writes per dataset a table shaped like the paper's Table 1 (`table.md`,
+`table.csv`) and the figures (see `figures.py`), plus one `report.md` that
+links everything. A run's dataset is the folder name in a sweep's layout
+(<dataset>/<method>/seed<k>/), else its `results.json` dataset.
+
+Cells are personalized ROUGE-L ×100, the mean over seeds; the Avg column is
+the mean over seeds of each run's client average, ± the half-width of the 95%
+Student-t confidence interval over seeds, t_{0.975, n−1} · s / √n.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import checkpoint as ckpt
+from .errors import UserError
+from .methods import LORA_MODULATION, OPTIMIZER_BASED, PFLALIGN
+
+# Row groups of the table, in the paper's order; methods of no family come last.
+FAMILIES = [
+    ("LoRA-modulation", [c.name for c in LORA_MODULATION]),
+    ("Optimizer-based", [c.name for c in OPTIMIZER_BASED]),
+    ("pFLAlign", [c.name for c in PFLALIGN]),
+]
+LABELS = {
+    "ffa-lora": "FFA-LoRA", "fedsa-lora": "FedSA-LoRA", "fedsvd": "FedSVD", "fedavg": "FedAvg",
+    "fedprox": "FedProx", "fedsam": "FedSAM", "scaffold": "SCAFFOLD", "feddyn": "FedDyn",
+    "fedadam": "FedAdam", "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad", "fedgloss": "FedGloSS",
+    "local": "Local", "pflalign": "pFLAlign",
+}
+DEFAULT_CLIENT = "structure_to_text"  # the client of the paper's GSNR figure (FLAN)
+
+
+def label(method: str) -> str:
+    """The paper's spelling of a method name (the registry name when it has none)."""
+    return LABELS.get(method, method)
+
+
+def family(method: str) -> str:
+    for name, members in FAMILIES:
+        if method in members:
+            return name
+    return "Other"
+
+
+def method_order(methods) -> list[str]:
+    """Families in the paper's order, registry order inside a family, unknown names last (sorted)."""
+    known = [m for _, members in FAMILIES for m in members]
+    return sorted(set(methods), key=lambda m: (known.index(m), "") if m in known else (len(known), m))
+
+
+# ---- statistics -------------------------------------------------------------
+def _t_central_mass(t: float, df: int) -> float:
+    """P(|T| ≤ t) for Student's t with integer df (Abramowitz & Stegun 26.7.3–4)."""
+    theta = math.atan(t / math.sqrt(df))
+    c2 = math.cos(theta) ** 2
+    if df % 2 == 0:
+        term = total = 1.0
+        for k in range(2, df, 2):
+            term *= c2 * (k - 1) / k
+            total += term
+        return math.sin(theta) * total
+    total = theta
+    if df > 1:
+        term = math.sin(theta) * math.cos(theta)
+        total += term
+        for k in range(3, df - 1, 2):
+            term *= c2 * (k - 1) / k
+            total += term
+    return 2 / math.pi * total
+
+
+def t_quantile(p: float, df: int) -> float:
+    """t_{p, df}: the p-quantile of Student's t (p > 0.5), by bisection on the exact CDF."""
+    if df < 1 or not 0.5 < p < 1:
+        raise ValueError(f"need df >= 1 and 0.5 < p < 1, got df={df}, p={p}")
+    mass = 2 * p - 1
+    lo, hi = 0.0, 1.0
+    while _t_central_mass(hi, df) < mass:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if _t_central_mass(mid, df) < mass:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-13 * hi:
+            break
+    return (lo + hi) / 2
+
+
+def ci95_half_width(values: list[float]) -> float | None:
+    """Half-width of the 95% confidence interval of the mean, t_{0.975, n−1} · s / √n (None for n < 2)."""
+    n = len(values)
+    if n < 2:
+        return None
+    return t_quantile(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n)
+
+
+# ---- finding runs -----------------------------------------------------------
+@dataclass
+class Run:
+    """One finished run as the report sees it."""
+
+    path: Path
+    dataset: str
+    method: str
+    seed: int
+    results: dict
+    config: dict
+    metrics: list[dict]
+
+    @property
+    def tasks(self) -> list[str]:
+        return [c["task"] for c in self.results["clients"]]
+
+    def events(self, event: str) -> list[dict]:
+        return [m for m in self.metrics if m.get("event") == event]
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn last line; the rest is still good
+    return rows
+
+
+def find_runs(root: Path) -> tuple[list[Run], list[str]]:
+    """Every finished run under `root`, and a note for each directory left out."""
+    runs, notes = [], []
+    for results_path in sorted(root.rglob(ckpt.RESULTS)):
+        d = results_path.parent
+        missing = [n for n in (ckpt.METRICS, ckpt.CONFIG) if not (d / n).exists()]
+        if missing:
+            notes.append(f"{d}: left out, no {' or '.join(missing)}")
+            continue
+        try:
+            results = json.loads(results_path.read_text())
+            config = json.loads((d / ckpt.CONFIG).read_text())
+            method, seed = results["method"], results["seed"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            notes.append(f"{d}: left out, unreadable results/config ({exc})")
+            continue
+        rel = d.relative_to(root).parts
+        dataset = rel[-3] if len(rel) >= 3 and rel[-2] == method else results.get("dataset", "runs")
+        runs.append(Run(d, dataset, method, seed, results, config, _read_metrics(d / ckpt.METRICS)))
+    return runs, notes
+
+
+# ---- the table --------------------------------------------------------------
+@dataclass
+class Row:
+    method: str
+    seeds: list[int]
+    cells: dict[str, float]  # task → mean over seeds
+    cell_ci: dict[str, float | None]
+    avg: float
+    avg_ci: float | None
+    family: str = field(init=False)
+
+    def __post_init__(self):
+        self.family = family(self.method)
+
+
+def summarize(runs: list[Run]) -> tuple[list[str], list[Row]]:
+    """One dataset's runs → (client columns by task, rows in table order)."""
+    tasks: list[str] = []
+    for r in runs:
+        tasks += [t for t in r.tasks if t not in tasks]
+    rows = []
+    for method in method_order(r.method for r in runs):
+        mine = [r for r in runs if r.method == method]
+        per_task = {t: [c["rouge_l_personalized"] for r in mine for c in r.results["clients"] if c["task"] == t]
+                    for t in tasks}
+        avgs = [r.results["avg_rouge_l_personalized"] for r in mine]
+        rows.append(Row(
+            method, sorted(r.seed for r in mine),
+            {t: statistics.fmean(v) for t, v in per_task.items() if v},
+            {t: ci95_half_width(v) for t, v in per_task.items() if v},
+            statistics.fmean(avgs), ci95_half_width(avgs),
+        ))
+    return tasks, rows
+
+
+def _ranks(values: list[float | None]) -> list[int | None]:
+    """1 for the best (highest) shown value, 2 for the second, None otherwise; ties share a rank.
+    A column where every row shows the same value gets no marks."""
+    shown = sorted({round(v, 2) for v in values if v is not None}, reverse=True)
+    if len(shown) < 2:
+        return [None] * len(values)
+    return [shown.index(round(v, 2)) + 1 if v is not None and shown.index(round(v, 2)) < 2 else None
+            for v in values]
+
+
+def table_markdown(tasks: list[str], rows: list[Row]) -> str:
+    """Table 1 in markdown: family headings, best per column bold, second underlined."""
+    columns = [[row.cells.get(t) for row in rows] for t in tasks] + [[row.avg for row in rows]]
+    ranks = [_ranks(col) for col in columns]
+
+    def mark(text: str, rank: int | None) -> str:
+        return f"**{text}**" if rank == 1 else f"<u>{text}</u>" if rank == 2 else text
+
+    lines = ["| Method | " + " | ".join(tasks) + " | Avg |",
+             "| :-- | " + " | ".join("--:" for _ in tasks) + " | --: |"]
+    heading = None
+    for i, row in enumerate(rows):
+        if row.family != heading:
+            heading = row.family
+            lines.append(f"| *{heading}* |" + " |" * (len(tasks) + 1))
+        cells = [mark(f"{row.cells[t]:.2f}", ranks[j][i]) if t in row.cells else "–" for j, t in enumerate(tasks)]
+        avg = f"{row.avg:.2f}" + (f" ± {row.avg_ci:.2f}" if row.avg_ci is not None else "")
+        cells.append(mark(avg, ranks[-1][i]))
+        lines.append(f"| {label(row.method)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_table_csv(path: Path, tasks: list[str], rows: list[Row]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["method", "family", *tasks, "avg", "avg_ci95", "n_seeds", "seeds"])
+        for row in rows:
+            w.writerow([row.method, row.family,
+                        *(f"{row.cells[t]:.4f}" if t in row.cells else "" for t in tasks),
+                        f"{row.avg:.4f}", "" if row.avg_ci is None else f"{row.avg_ci:.4f}",
+                        len(row.seeds), " ".join(map(str, row.seeds))])
+
+
+def _seed_note(rows: list[Row]) -> str:
+    counts = {len(r.seeds) for r in rows}
+    if len(counts) == 1:
+        n = counts.pop()
+        return f"mean over {n} seed{'s' if n > 1 else ''}" + ("" if n > 1 else " (no confidence interval)")
+    return "mean over seeds (" + ", ".join(f"{label(r.method)}: {len(r.seeds)}" for r in rows) + ")"
+
+
+def cost_markdown(runs: list[Run]) -> str:
+    """Run time per method, means over its runs: from the `round` lines (training, every
+    round, also across resumes) and `results.json` (the final evaluation)."""
+    lines = ["| Method | runs | s / round | training s / run | final eval s / run |",
+             "| :-- | --: | --: | --: | --: |"]
+    for method in method_order(r.method for r in runs):
+        mine = [r for r in runs if r.method == method]
+        rounds = [[m["seconds"] for m in r.events("round") if "seconds" in m] for r in mine]
+        per_round = [x for rs in rounds for x in rs]
+        evals = [r.results["seconds_eval"] for r in mine if "seconds_eval" in r.results]
+        fmt = lambda v: f"{statistics.fmean(v):.1f}" if v else "–"  # noqa: E731
+        lines.append(f"| {label(method)} | {len(mine)} | {fmt(per_round)} | {fmt([sum(rs) for rs in rounds if rs])} "
+                     f"| {fmt(evals)} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- the report -------------------------------------------------------------
+def write_report(root: Path | str, out: Path | str, client: str | None = None) -> Path:
+    """Tables and figures for every dataset under `root` into `out`; returns report.md."""
+    from .figures import write_figures
+
+    root, out = Path(root), Path(out)
+    if not root.is_dir():
+        raise UserError(f"{root} is not a folder")
+    runs, notes = find_runs(root)
+    if not runs:
+        raise UserError(f"no finished runs (results.json + metrics.jsonl + config.json) under {root}")
+    lines = ["# pflalign report", "", f"{len(runs)} finished runs under `{root}`.", ""]
+    for dataset in sorted({r.dataset for r in runs}):
+        mine = [r for r in runs if r.dataset == dataset]
+        folder = out / dataset
+        folder.mkdir(parents=True, exist_ok=True)
+        tasks, rows = summarize(mine)
+        table = table_markdown(tasks, rows)
+        (folder / "table.md").write_text(table)
+        write_table_csv(folder / "table.csv", tasks, rows)
+        lines += [f"## {dataset}", "",
+                  f"Personalized ROUGE-L ×100, {_seed_note(rows)}; Avg ± 95% CI half-width (Student's t over "
+                  f"seeds). Best per column **bold**, second <u>underlined</u>. "
+                  f"[table.md]({dataset}/table.md) · [table.csv]({dataset}/table.csv)", "", table]
+        figures, skipped = write_figures(mine, tasks, rows, folder, client)
+        for title, name in figures:
+            lines += [f"### {title}", "", f"![{title}]({dataset}/{name})", ""]
+        if skipped:
+            lines += ["Notes on the figures:", ""] + [f"- {s}" for s in skipped] + [""]
+        lines += ["### Run time", "", "Wall-clock seconds on the machine that made the runs (training per round "
+                  "without the optional per-round evaluation; final evaluation of all clients).", "",
+                  cost_markdown(mine)]
+    if notes:
+        lines += ["## Left out", ""] + [f"- {n}" for n in notes] + [""]
+    (out / "report.md").write_text("\n".join(lines))
+    return out / "report.md"

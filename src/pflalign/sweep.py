@@ -1,0 +1,248 @@
+"""`pflalign sweep`: a grid of runs (datasets × methods × seeds), one after another.
+
+A sweep config is a TOML or JSON file (or a preset name, `table1-flan`,
+`table1-dolly`)::
+
+    methods = ["fedavg", "pflalign"]     # names from `pflalign methods`
+    seeds = [0, 1, 2]
+
+    [base]                               # run-config overrides for every run
+    rounds = 10
+
+    [method_args.fedprox]                # optional: one method's hyperparameters
+    mu = 0.01
+
+    [[datasets]]                         # one or more
+    name = "flan"                        # folder under --out; the report's dataset label
+    config = "flan-paper"                # optional: run preset or run-config file
+    data_dir = "/data/flan"              # optional; --data-dir replaces it
+    set = { max_seq_len = 512 }          # optional: overrides for this dataset only
+
+Every run's config is, later winning: defaults ← the dataset's `config` ←
+`base` ← the dataset's `set` ← `--set` ← `method_args.<method>` ← method,
+seed and data dir of the grid point. All of them are built and checked before
+the first run starts, so a typo fails at once and not hours later.
+
+Run k goes to OUT/<dataset>/<method>/seed<seed>/. A run with `results.json`
+is finished and skipped; one with a checkpoint is resumed; a run directory
+made with a different config is refused, so a table never mixes settings.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from . import checkpoint as ckpt
+from .config import RunConfig, build_config, load_config_source, to_dict
+from .errors import UserError
+from .methods import LORA_MODULATION, OPTIMIZER_BASED, method_class
+
+# The paper's Table 1: both families of baselines and pFLAlign (no ablations).
+TABLE1_METHODS = [cls.name for cls in (*LORA_MODULATION, *OPTIMIZER_BASED)] + ["pflalign"]
+
+SWEEP_PRESETS: dict[str, dict] = {
+    "table1-flan": {"methods": TABLE1_METHODS, "seeds": [0, 1, 2],
+                    "datasets": [{"name": "flan", "config": "flan-paper"}]},
+    "table1-dolly": {"methods": TABLE1_METHODS, "seeds": [0, 1, 2],
+                     "datasets": [{"name": "dolly", "config": "dolly-paper"}]},
+}
+
+SWEEP_KEYS = {"methods", "seeds", "datasets", "base", "method_args"}
+DATASET_KEYS = {"name", "config", "data_dir", "set"}
+
+
+@dataclass
+class PlannedRun:
+    """One grid point: where it goes and its full config."""
+
+    dataset: str
+    method: str
+    seed: int
+    cfg: RunConfig
+    out: Path
+
+    @property
+    def key(self) -> str:
+        return f"{self.dataset}/{self.method}/seed{self.seed}"
+
+    def state(self) -> str:
+        """'finished', 'unfinished' (a checkpoint to resume) or 'new'."""
+        if (self.out / ckpt.RESULTS).exists():
+            return "finished"
+        if (self.out / ckpt.CHECKPOINT).exists():
+            return "unfinished"
+        return "new"
+
+
+def load_sweep_source(source: str) -> dict:
+    """A sweep preset name or a TOML/JSON file → dict (not yet checked)."""
+    if source in SWEEP_PRESETS and not Path(source).exists():
+        return json.loads(json.dumps(SWEEP_PRESETS[source]))  # deep copy
+    if not Path(source).is_file():
+        raise UserError(f"sweep config {source!r} is neither a file nor a preset; presets: {', '.join(SWEEP_PRESETS)}")
+    return load_config_source(source)
+
+
+def _merge(into: dict, updates: dict) -> dict:
+    """Nested dict merge (later wins), leaving both inputs unchanged."""
+    out = json.loads(json.dumps(into))
+    for key, value in updates.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = json.loads(json.dumps(value))
+    return out
+
+
+def _list_of(spec: dict, key: str, kind: type) -> list:
+    values = spec.get(key)
+    if not isinstance(values, list) or not values:
+        raise UserError(f"sweep config: {key!r} must be a non-empty list")
+    for v in values:
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise UserError(f"sweep config: {key!r} holds {v!r}, expected {kind.__name__} values")
+    if len(set(map(str, values))) != len(values):
+        raise UserError(f"sweep config: {key!r} lists a value twice")
+    return values
+
+
+def _table(spec: dict, key: str, where: str = "sweep config") -> dict:
+    value = spec.get(key, {})
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: {key!r} must be a table")
+    return value
+
+
+def _check_keys(table: dict, allowed: set, where: str) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise UserError(f"{where}: unknown key {unknown[0]!r}; valid keys: {', '.join(sorted(allowed))}")
+
+
+def plan_sweep(source: str, out: Path | str, overrides: dict | None = None,
+               data_dir: str | None = None, seeds: list[int] | None = None) -> list[PlannedRun]:
+    """Every run of the sweep, with its config built and checked, in run order
+    (dataset, then method, then seed). `seeds` replaces the config's seeds."""
+    spec = load_sweep_source(source)
+    if not isinstance(spec, dict):
+        raise UserError("sweep config: expected a table with methods, seeds, datasets")
+    if seeds is not None:
+        spec["seeds"] = seeds
+    _check_keys(spec, SWEEP_KEYS, "sweep config")
+    methods = _list_of(spec, "methods", str)
+    for m in methods:
+        method_class(m)  # unknown name → UserError with a suggestion
+    seeds = _list_of(spec, "seeds", int)
+    datasets = spec.get("datasets")
+    if not isinstance(datasets, list) or not datasets or not all(isinstance(d, dict) for d in datasets):
+        raise UserError("sweep config: 'datasets' must be a non-empty list of tables (name, config, data_dir, set)")
+    if data_dir is not None and len(datasets) > 1:
+        raise UserError("--data-dir is ambiguous with several datasets; give each its data_dir in the sweep config")
+    for key in ("method", "seed"):
+        if key in (overrides or {}):
+            raise UserError(f"--set {key}=... does not apply to a sweep: list them in the sweep config's {key}s")
+    base = _table(spec, "base")
+    per_method = _table(spec, "method_args")
+    for m in per_method:
+        if m not in methods:
+            raise UserError(f"sweep config: method_args.{m} names a method that is not in 'methods'")
+
+    runs, names = [], set()
+    for entry in datasets:
+        _check_keys(entry, DATASET_KEYS, "sweep config dataset")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            raise UserError(f"sweep config: every dataset needs a plain 'name' (a folder name), got {name!r}")
+        if name in names:
+            raise UserError(f"sweep config: dataset name {name!r} is used twice")
+        names.add(name)
+        where = f"sweep config dataset {name!r}"
+        if not isinstance(entry.get("config", ""), str):
+            raise UserError(f"{where}: 'config' must be a preset name or a file path")
+        common = load_config_source(entry.get("config"))
+        for layer in (base, _table(entry, "set", where), overrides or {}):
+            common = _merge(common, layer)
+        chosen_dir = data_dir if data_dir is not None else entry.get("data_dir")
+        if chosen_dir is not None:
+            common = _merge(common, {"data": {"dir": _absolute_if_exists(str(chosen_dir))}})
+        for method in methods:
+            for seed in seeds:
+                layers = _merge(common, {"method_args": _table(per_method, method, "sweep config method_args")})
+                layers = _merge(layers, {"method": method, "seed": seed})
+                cfg = build_config(None, layers)
+                if cfg.data.name != "synthetic" and not cfg.data.dir:
+                    raise UserError(f"dataset {name!r} ({cfg.data.name}) needs its data: pass --data-dir "
+                                    f"or give data_dir in the sweep config")
+                runs.append(PlannedRun(name, method, seed, cfg, Path(out) / name / method / f"seed{seed}"))
+    for r in runs:
+        _check_same_config(r)
+    return runs
+
+
+def _absolute_if_exists(path: str) -> str:
+    """A local data path made absolute (so the saved config does not depend on
+    the working directory); anything else (a hub id) unchanged."""
+    p = Path(path).expanduser()
+    return str(p.resolve()) if p.exists() else path
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _check_same_config(run: PlannedRun) -> None:
+    """Refuse to skip or resume a run directory that was made with other settings."""
+    saved_path = run.out / ckpt.CONFIG
+    if run.state() == "new" or not saved_path.exists():
+        return
+    try:
+        saved = _flat(to_dict(build_config(None, json.loads(saved_path.read_text()))))
+    except (UserError, json.JSONDecodeError) as exc:
+        raise UserError(f"{saved_path}: unreadable saved config ({exc})") from exc
+    wanted = _flat(json.loads(json.dumps(to_dict(run.cfg))))
+    diffs = [f"{k}: {saved.get(k)!r} there, {wanted.get(k)!r} now"
+             for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+    if diffs:
+        raise UserError(f"{run.out} was made with a different config ({'; '.join(diffs[:3])}); "
+                        f"use another --out or remove that run")
+
+
+def run_sweep(runs: list[PlannedRun], progress: bool = True) -> list[dict]:
+    """Run the planned runs one after another; returns each one's results."""
+    from .engine import run as run_one
+
+    bar = tqdm(total=len(runs), desc="sweep", unit="run", disable=not progress)
+    say = tqdm.write if progress else print
+    width = len(str(len(runs)))
+    all_results = []
+    for i, r in enumerate(runs, start=1):
+        head = f"[{i:>{width}}/{len(runs)}] {r.key}"
+        state = r.state()
+        bar.set_postfix_str(r.key)
+        if state == "finished":
+            results = json.loads((r.out / ckpt.RESULTS).read_text())
+            say(f"{head}: finished earlier, avg ROUGE-L {results['avg_rouge_l_personalized']:.2f}")
+        else:
+            tic = time.perf_counter()
+            resume = state == "unfinished"
+            # a 'new' run may hold leftovers of a first round that never finished: start afresh
+            results = run_one(None if resume else r.cfg, r.out, resume=resume, overwrite=not resume,
+                              progress=progress)
+            what = "resumed and finished" if resume else "finished"
+            say(f"{head}: {what} in {(time.perf_counter() - tic) / 60:.1f} min, "
+                f"avg ROUGE-L {results['avg_rouge_l_personalized']:.2f}")
+        all_results.append(results)
+        bar.update(1)
+    bar.close()
+    return all_results

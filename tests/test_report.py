@@ -1,0 +1,141 @@
+"""`pflalign report`: the confidence interval, Table 1's shape and marks, the figures."""
+
+import csv
+import json
+import math
+import struct
+
+import pytest
+import scipy.stats
+
+from pflalign import checkpoint as ckpt
+from pflalign.cli import main
+from pflalign.config import build_config
+from pflalign.engine import run
+from pflalign.report import _ranks, ci95_half_width, method_order, t_quantile
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TINY = {
+    "model": "tiny-llama", "lora": {"r": 2, "alpha": 4}, "rounds": 2, "local_steps": 2, "batch_size": 2,
+    "max_seq_len": 64, "data": {"name": "synthetic", "clients": ["arithmetic", "sorting"], "max_train": 4,
+                                "max_test": 2},
+    "eval": {"max_new_tokens": 2, "batch_size": 4, "base_model": False},
+}
+# personalized ROUGE-L written over the tiny runs' (all-zero) scores, so the table's numbers are known:
+# (method, seed) → (arithmetic, sorting)
+SCORES = {("fedavg", 0): (10.0, 40.0), ("fedavg", 1): (20.0, 50.0),
+          ("pflalign", 0): (30.0, 20.0), ("pflalign", 1): (34.0, 22.0),
+          ("ffa-lora", 0): (5.0, 45.0)}
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 5, 9, 10, 29, 30, 101])
+def test_t_quantile_matches_scipy(df):
+    for p in (0.975, 0.95, 0.995):
+        assert t_quantile(p, df) == pytest.approx(scipy.stats.t.ppf(p, df), rel=1e-10)
+
+
+def test_ci_half_width_by_hand():
+    # closed forms: df = 1 (Cauchy) t = tan(0.95·π/2); df = 2: P(|T| ≤ t) = t / √(2 + t²)
+    assert ci95_half_width([1.0, 3.0]) == pytest.approx(math.tan(0.95 * math.pi / 2) * math.sqrt(2) / math.sqrt(2))
+    t2 = math.sqrt(2 * 0.95**2 / (1 - 0.95**2))  # 4.3027
+    assert ci95_half_width([1.0, 2.0, 3.0]) == pytest.approx(t2 / math.sqrt(3), rel=1e-12)  # s = 1, n = 3
+    values = [31.2, 35.9, 33.0, 34.4]
+    sem = scipy.stats.sem(values)
+    assert ci95_half_width(values) == pytest.approx(scipy.stats.t.ppf(0.975, 3) * sem, rel=1e-10)
+    assert ci95_half_width([5.0]) is None and ci95_half_width([]) is None
+
+
+def test_method_order_follows_the_paper_families():
+    assert method_order(["pflalign", "zzz", "fedavg", "fedsvd", "ffa-lora", "pflalign-no-precond"]) == [
+        "ffa-lora", "fedsvd", "fedavg", "pflalign", "pflalign-no-precond", "zzz"]
+
+
+def test_ranks_mark_best_and_second_with_ties():
+    assert _ranks([1.0, 3.0, 2.0, 3.001, None]) == [None, 1, 2, 1, None]  # 3.00 and 3.001 show the same
+    assert _ranks([5.0, 5.0]) == [None, None]  # nothing to tell apart
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory):
+    """Five tiny finished runs in a sweep's layout, with known personalized scores;
+    the fedavg runs also record per-round evaluation."""
+    root = tmp_path_factory.mktemp("runs")
+    for (method, seed), scores in SCORES.items():
+        cfg = json.loads(json.dumps(TINY))
+        if method == "fedavg":
+            cfg["eval"].update(every=1, every_max_test=1)
+        out = root / "synthetic" / method / f"seed{seed}"
+        run(build_config(None, {**cfg, "method": method, "seed": seed}), out, progress=False)
+        results = json.loads((out / ckpt.RESULTS).read_text())
+        for client, score in zip(results["clients"], scores):
+            client["rouge_l_personalized"] = score
+        results["avg_rouge_l_personalized"] = sum(scores) / len(scores)
+        (out / ckpt.RESULTS).write_text(json.dumps(results))
+    (root / "synthetic" / "broken").mkdir()
+    (root / "synthetic" / "broken" / ckpt.RESULTS).write_text("{}")  # no metrics: left out with a note
+    return root
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_writes_table_1_and_figures(sweep_dir, tmp_path, capsys):
+    assert main(["report", str(sweep_dir), "--out", str(tmp_path), "--client", "sorting"]) == 0
+    folder = tmp_path / "synthetic"
+    lines = (folder / "table.md").read_text().splitlines()
+    assert lines[0] == "| Method | arithmetic | sorting | Avg |"
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
+    assert all(len(c) == 4 for c in cells)
+    assert [c[0] for c in cells] == [
+        "*LoRA-modulation*", "FFA-LoRA", "*Optimizer-based*", "FedAvg", "*pFLAlign*", "pFLAlign"]
+    rows = {c[0]: c[1:] for c in cells if not c[0].startswith("*")}
+    # arithmetic: pFLAlign 32 > FedAvg 15 > FFA-LoRA 5; sorting: FedAvg 45 = FFA-LoRA 45 > pFLAlign 21
+    assert rows["pFLAlign"][0] == "**32.00**" and rows["FedAvg"][0] == "<u>15.00</u>" and rows["FFA-LoRA"][0] == "5.00"
+    assert rows["FedAvg"][1] == "**45.00**" and rows["FFA-LoRA"][1] == "**45.00**" and rows["pFLAlign"][1] == "<u>21.00</u>"
+    # Avg: FFA-LoRA 25 (one seed: no ±), FedAvg 30 ± t·s/√2, pFLAlign 26.5 ± …
+    fedavg_ci = ci95_half_width([25.0, 35.0])
+    assert rows["FedAvg"][2] == f"**30.00 ± {fedavg_ci:.2f}**"
+    assert rows["pFLAlign"][2].startswith("<u>26.50 ± ") and rows["FFA-LoRA"][2] == "25.00"
+
+    table = list(csv.DictReader(open(folder / "table.csv")))
+    assert [r["method"] for r in table] == ["ffa-lora", "fedavg", "pflalign"]
+    assert float(table[1]["avg"]) == 30.0 and float(table[1]["avg_ci95"]) == pytest.approx(fedavg_ci, abs=1e-4)
+    assert table[0]["avg_ci95"] == "" and table[1]["seeds"] == "0 1"
+    assert float(table[2]["arithmetic"]) == 32.0 and float(table[2]["sorting"]) == 21.0
+
+    for name in ("gsnr.png", "loss.png", "consistency.png", "rouge_clients.png", "rouge_rounds.png"):
+        width, height = _png_size(folder / name)
+        assert width > 300 and height > 200, name
+    report = (tmp_path / "report.md").read_text()
+    assert "synthetic/gsnr.png" in report and "client sorting" in report and "broken" in report
+
+
+def test_report_skips_missing_round_eval_with_a_note(sweep_dir, tmp_path):
+    assert main(["report", str(sweep_dir / "synthetic" / "pflalign"), "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "no round_eval lines" in report
+    assert not (tmp_path / "synthetic" / "rouge_rounds.png").exists()
+    assert (tmp_path / "synthetic" / "gsnr.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert "client arithmetic" in report  # no structure_to_text here: the first client
+
+
+def test_malformed_metrics_skip_a_figure_with_a_note(sweep_dir, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "runs" / "synthetic" / "pflalign" / "seed0"
+    shutil.copytree(sweep_dir / "synthetic" / "pflalign" / "seed0", run_dir)
+    with open(run_dir / ckpt.METRICS, "a") as f:
+        f.write('{"event": "round", "seconds": 1.0}\n{"torn line\n')
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "r")]) == 0
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "Aggregation consistency over rounds: could not be drawn" in report
+    assert (tmp_path / "r" / "synthetic" / "gsnr.png").exists()
+
+
+def test_report_without_runs_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no finished runs" in err

@@ -1,0 +1,131 @@
+"""`pflalign sweep`: the grid, skipping finished runs, resuming an unfinished one, bad configs."""
+
+import json
+
+import pytest
+
+from pflalign import checkpoint as ckpt
+from pflalign.cli import main
+from pflalign.engine import run
+from pflalign.methods import LORA_MODULATION, OPTIMIZER_BASED
+from pflalign.sweep import plan_sweep, run_sweep
+
+SWEEP = """
+methods = ["fedavg", "pflalign"]
+seeds = [0, 1]
+
+[base]
+model = "tiny-llama"
+lora = { r = 2, alpha = 4 }
+rounds = 2
+local_steps = 2
+batch_size = 2
+max_seq_len = 64
+eval = { max_new_tokens = 2, batch_size = 4, base_model = false }
+
+[method_args.pflalign]
+beta = 0.8
+
+[[datasets]]
+name = "synth"
+set = { data = { clients = ["arithmetic", "sorting"], max_train = 4, max_test = 2 } }
+"""
+
+
+@pytest.fixture
+def sweep_file(tmp_path):
+    path = tmp_path / "sweep.toml"
+    path.write_text(SWEEP)
+    return path
+
+
+def test_plan_builds_every_run_config(sweep_file, tmp_path):
+    runs = plan_sweep(str(sweep_file), tmp_path / "out", {"data": {"max_test": 1}})
+    assert [r.key for r in runs] == ["synth/fedavg/seed0", "synth/fedavg/seed1",
+                                     "synth/pflalign/seed0", "synth/pflalign/seed1"]
+    assert runs[3].out == tmp_path / "out" / "synth" / "pflalign" / "seed1"
+    assert runs[3].cfg.seed == 1 and runs[3].cfg.method_args == {"beta": 0.8}
+    assert runs[0].cfg.method_args == {}  # per-method arguments stay with their method
+    assert all(r.cfg.data.max_test == 1 and r.cfg.rounds == 2 for r in runs)  # --set reaches every run
+
+
+def test_sweep_skips_finished_and_resumes_unfinished(sweep_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    runs = plan_sweep(str(sweep_file), out)
+    finished, unfinished = runs[0], runs[1]
+    run(finished.cfg, finished.out, progress=False)
+    before = (finished.out / ckpt.RESULTS).stat().st_mtime_ns, (finished.out / ckpt.METRICS).read_bytes()
+    assert run(unfinished.cfg, unfinished.out, stop_after=1, progress=False) is None
+    reference = run(unfinished.cfg, tmp_path / "reference", progress=False)  # the same run, uninterrupted
+    assert [r.state() for r in runs] == ["finished", "unfinished", "new", "new"]
+
+    results = run_sweep(runs, progress=False)
+    lines = capsys.readouterr().out
+    assert "[1/4] synth/fedavg/seed0: finished earlier" in lines
+    assert "[2/4] synth/fedavg/seed1: resumed and finished" in lines
+    assert [r.state() for r in runs] == ["finished"] * 4
+    assert before == ((finished.out / ckpt.RESULTS).stat().st_mtime_ns, (finished.out / ckpt.METRICS).read_bytes())
+    resumed = json.loads((unfinished.out / ckpt.RESULTS).read_text())
+    assert resumed["clients"] == reference["clients"] == results[1]["clients"]
+    steps = lambda d: [l for l in (d / ckpt.METRICS).read_text().splitlines() if '"train_step"' in l]  # noqa: E731
+    assert [json.loads(l)["loss"] for l in steps(unfinished.out)] == \
+        [json.loads(l)["loss"] for l in steps(tmp_path / "reference")]
+    assert json.loads((runs[3].out / ckpt.CONFIG).read_text())["method_args"] == {"beta": 0.8}
+
+    # a second pass runs nothing; another config on the same folder is refused before any work
+    assert main(["sweep", "--config", str(sweep_file), "--out", str(out), "--no-progress"]) == 0
+    assert capsys.readouterr().out.count("finished earlier") == 4
+    assert main(["sweep", "--config", str(sweep_file), "--out", str(out), "--set", "rounds=3"]) == 2
+    assert "different config (rounds: 2 there, 3 now)" in capsys.readouterr().err
+
+
+def test_dry_run_lists_runs_and_states(sweep_file, tmp_path, capsys):
+    assert main(["sweep", "--config", str(sweep_file), "--out", str(tmp_path / "o"), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and all(" new " in l for l in lines)
+    assert main(["sweep", "--config", str(sweep_file), "--out", str(tmp_path / "o"), "--dry-run", "--seeds", "7"]) == 0
+    assert [l.split()[0] for l in capsys.readouterr().out.splitlines()] == ["synth/fedavg/seed7", "synth/pflalign/seed7"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_table1_presets_hold_the_paper_grid(tmp_path):
+    flan = tmp_path / "flan"
+    flan.mkdir()
+    runs = plan_sweep("table1-flan", tmp_path / "out", data_dir=str(flan))
+    expected = {c.name for c in (*LORA_MODULATION, *OPTIMIZER_BASED)} | {"pflalign"}
+    assert {r.method for r in runs} == expected and len(runs) == 3 * len(expected)
+    assert {r.seed for r in runs} == {0, 1, 2}
+    cfg = runs[0].cfg
+    assert (cfg.data.name, cfg.data.dir, cfg.rounds, cfg.local_steps, cfg.batch_size, cfg.lr, cfg.lora.r) == (
+        "flan", str(flan.resolve()), 50, 5, 4, 0.04, 16)
+    assert {r.cfg.data.name for r in plan_sweep("table1-dolly", tmp_path / "out", data_dir="x.jsonl")} == {"dolly"}
+
+
+@pytest.mark.parametrize("text,extra,needle", [
+    ("seeds = [0]\n[[datasets]]\nname = 'a'", [], "'methods' must be a non-empty list"),
+    ("methods = ['fedavgg']\nseeds = [0]\n[[datasets]]\nname = 'a'", [], "did you mean 'fedavg'"),
+    ("methods = ['fedavg']\nseeds = ['x']\n[[datasets]]\nname = 'a'", [], "expected int values"),
+    ("methods = ['fedavg']\nseeds = [0]", [], "'datasets' must be a non-empty list"),
+    ("methods = ['fedavg']\nseeds = [0]\nseed = 1\n[[datasets]]\nname = 'a'", [], "unknown key 'seed'"),
+    ("methods = ['fedavg']\nseeds = [0]\n[[datasets]]\nname = 'a'\ndir = 'x'", [], "unknown key 'dir'"),
+    ("methods = ['fedavg']\nseeds = [0]\n[base]\nrounds = 0\n[[datasets]]\nname = 'a'", [], "rounds must be > 0"),
+    ("methods = ['fedavg']\nseeds = [0]\n[[datasets]]\nname = 'a'", ["--set", "lora.rank=2"], "valid keys: r"),
+    ("methods = ['fedavg']\nseeds = [0]\n[[datasets]]\nname = 'a'", ["--set", "method=fedavg"], "does not apply"),
+    ("methods = ['fedavg']\nseeds = [0]\n[[datasets]]\nname = 'a'\nconfig = 'flan-paper'", [], "needs its data"),
+    ("methods = ['fedavg']\nseeds = [0]\n[method_args.fedprox]\nmu = 1\n[[datasets]]\nname = 'a'", [],
+     "not in 'methods'"),
+    ("methods = [", [], "cannot parse"),
+    ("methods = ['fedavg']\nseeds = [0]\n[[datasets]]\nname = 'a'", ["--seeds", "0,x"], "--seeds expects"),
+])
+def test_bad_sweep_config_is_one_line_exit_2(tmp_path, capsys, text, extra, needle):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    assert main(["sweep", "--config", str(path), "--out", str(tmp_path / "out"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("pflalign: error:") and needle in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_preset_without_data_dir_is_refused(tmp_path, capsys):
+    assert main(["sweep", "--config", "table1-flan", "--out", str(tmp_path / "out")]) == 2
+    assert "--data-dir" in capsys.readouterr().err
