@@ -40,6 +40,10 @@ def cmd_run(args) -> int:
     if args.resume and (args.set or args.data_dir):
         raise UserError("--resume continues with the run's saved config; drop --set/--data-dir")
     cfg = None if args.resume else build_config(args.config, overrides)
+    if args.no_progress:  # transformers' own bars (GGUF de-quantization, weight loading) too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     results = run(cfg, Path(args.out), resume=args.resume, overwrite=args.overwrite,
                   stop_after=args.stop_after_rounds, progress=not args.no_progress)
     if results is None:

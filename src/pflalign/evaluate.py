@@ -7,7 +7,6 @@ ROUGE-L is the F-measure of `rouge-score`'s ``rougeL`` with Porter stemming,
 from __future__ import annotations
 
 import torch
-from rouge_score import rouge_scorer
 from tqdm.auto import tqdm
 
 _SCORER = None
@@ -17,6 +16,8 @@ def rouge_l(predictions: list[str], references: list[str]) -> float:
     """Mean ROUGE-L F-measure ×100 (0 for an empty list)."""
     global _SCORER
     if _SCORER is None:
+        from rouge_score import rouge_scorer  # imports nltk and scipy: only when scoring
+
         _SCORER = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     if not predictions:
         return 0.0

@@ -1,0 +1,18 @@
+"""pflalign on Flower: every method on real processes and machines, with the
+same client and server code as the in-process engine.
+
+* `server_app.app` (a Flower ``ServerApp``) runs the rounds with
+  `strategy.MethodStrategy`, a Flower strategy that wraps our `Method`: it
+  broadcasts w^r (plus ``method.broadcast``), collects the clients' messages
+  and calls ``method.aggregate`` with data-size weights; the server state
+  lives in it. It writes the run directory as ``pflalign run`` does.
+* `client_app.app` (a Flower ``ClientApp``) is one client: it loads its own
+  partition (node config ``partition-id``), keeps its method state in a file
+  on its own host, and runs `pflalign.client.local_round`.
+* `wire` is what crosses the wire: LoRA tensors as ArrayRecords, and the
+  run configuration.
+
+Components for ``[tool.flwr.app.components]`` (see pyproject.toml and
+docs/distributed.md): ``pflalign.flower.server_app:app`` and
+``pflalign.flower.client_app:app``.
+"""

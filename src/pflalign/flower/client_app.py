@@ -1,0 +1,205 @@
+"""The Flower ClientApp: one federated client, on its own SuperNode.
+
+Which client a node is comes from its node config: ``partition-id`` k (the
+k-th category of ``data.clients``) and ``num-partitions`` (must equal the
+number of clients). Optional node-config keys: ``data-dir`` (the dataset on
+this host; replaces ``data.dir``) and ``state-dir`` (see below).
+
+Three message types, all answered from this one module:
+
+* ``query``: which client am I (partition-id, num-partitions); nothing is loaded.
+* ``train``: one round. Builds the model and this client's data, loads its
+  state, draws the round's minibatches with `pflalign.engine.draw_batches`
+  (the same ones the in-process engine draws), runs
+  `pflalign.client.local_round` (the one client-side implementation), saves
+  the state and sends back only the method's message plus metrics.
+* ``evaluate``: ROUGE-L of its personalized model, of the global model it is
+  sent and of the base model, on its own test split (`pflalign.engine.score_client`);
+  the generations are written next to its state, only the scores are sent.
+
+Client state: the method's per-client `State`, the personalized adapter and
+the data sampler's position (``steps_taken``) are kept in files on this host,
+``<state-dir>/<experiment>/client-<k>/round-<n>.pt``: the state after the
+client's n-th round. The server tells the client, with every message, how
+many of its rounds it has accepted (n); the client starts from
+``round-<n>.pt`` (n = 0: a fresh state from w^0) and writes
+``round-<n+1>.pt``. A round the server did not accept (a lost reply, a failed
+round) is thus forgotten, exactly as in the in-process engine, and a resumed
+run continues from the right state. The two newest files are kept; the
+newest holds the client's personalized adapter. ``state-dir`` is the node
+config's ``state-dir``, else the run config's ``client-dir``, else
+``$PFLALIGN_CACHE/flower`` (``~/.cache/pflalign/flower``); ``experiment`` is
+an id the ServerApp draws for a run and keeps across ``resume``. Files
+rather than Flower's ``Context.state``: they survive a SuperNode restart and
+a resumed run, and they leave the personalized adapter on the client's
+host. Nothing of them leaves the host.
+
+Within one process (the Simulation Engine's Ray actors) the model and the
+client's tokenized data are built once and reused across messages.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from .. import checkpoint as ckpt
+from ..client import local_round
+from ..config import RunConfig, method_args
+from ..data.load import load_federation
+from ..engine import Client, draw_batches, make_client, resolve_device, score_client
+from ..errors import UserError
+from ..methods import method_class
+from ..model import FederatedLM, cache_dir
+from . import wire
+
+log = logging.getLogger("flwr.pflalign")
+app = ClientApp()
+_CACHE: dict[str, object] = {}  # model and data, per process (reused by the Simulation Engine's actors)
+
+
+# ---- which client, where ----------------------------------------------------------
+def partition(context: Context) -> tuple[int, int]:
+    try:
+        return int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    except KeyError as exc:
+        raise UserError(f"node config lacks {exc.args[0]!r}: start the SuperNode with "
+                        "--node-config 'partition-id=K num-partitions=N'") from None
+
+
+def state_folder(context: Context, experiment: str, k: int) -> Path:
+    base = (context.node_config.get("state-dir") or context.run_config.get("client-dir")
+            or cache_dir() / "flower")
+    return Path(str(base)).expanduser() / experiment / f"client-{k}"
+
+
+# ---- the client, built once per process ------------------------------------------------
+def _cached(key: str, build):
+    if key not in _CACHE:
+        _CACHE[key] = build()
+    return _CACHE[key]
+
+
+def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]:
+    """The model (with w^0 as its live adapter on first build) and client k's data."""
+    k, n = partition(context)
+    tasks = wire.client_tasks(cfg)
+    if n != len(tasks) or not 0 <= k < n:
+        raise UserError(f"node config partition-id={k} num-partitions={n} does not fit the run's "
+                        f"{len(tasks)} clients ({', '.join(tasks)})")
+    model_key = repr((cfg.model, cfg.lora, cfg.seed, cfg.dtype, cfg.device))
+    lm = _cached(model_key, lambda: FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=getattr(torch, cfg.dtype),
+                                                      device=resolve_device(cfg.device)))
+    data_dir = context.node_config.get("data-dir") or cfg.data.dir
+    data_key = repr((model_key, k, cfg.data, data_dir, cfg.batch_size, cfg.max_seq_len))
+
+    def load():
+        (data,) = load_federation(cfg.data.name, data_dir, [tasks[k]], cfg.data.split_seed,
+                                  cfg.data.max_train, cfg.data.max_test)
+        return make_client(k, data, lm.tokenizer, cfg, state={})
+
+    client = _cached(data_key, load)
+    return lm, Client(client.id, client.data, client.train, state={})  # fresh state, shared data
+
+
+def _w0(lm: FederatedLM, cfg: RunConfig) -> dict:
+    """w^0, the seeded initial adapter (what the engine's clients initialise their state from)."""
+    return _cached(repr(("w0", cfg.model, cfg.lora, cfg.seed, cfg.dtype)), lm.get_lora)
+
+
+def load_state(folder: Path, done: int, client: Client, method, w0) -> None:
+    """The client's state after its `done`-th accepted round (0: a fresh state from w^0)."""
+    if done == 0:
+        client.state = method.init_client_state(w0)
+        return
+    path = folder / f"round-{done}.pt"
+    if not path.exists():
+        raise UserError(f"client {client.id} has no state file {path} for its round {done}; "
+                        "was the node's state-dir changed or cleaned?")
+    saved = ckpt.load_checkpoint(path)
+    client.state, client.personalized, client.steps_taken = saved["state"], saved["personalized"], saved["steps_taken"]
+
+
+def save_state(folder: Path, n: int, client: Client) -> None:
+    """Write round-<n>.pt; keep it and round-<n-1>.pt (the state the server has accepted)."""
+    ckpt.save_checkpoint(folder / f"round-{n}.pt", {"client": client.id, "task": client.data.task,
+                                                    "state": client.state, "personalized": client.personalized,
+                                                    "steps_taken": client.steps_taken})
+    for old in folder.glob("round-*.pt"):
+        if int(old.stem.split("-")[1]) < n - 1:
+            old.unlink(missing_ok=True)
+
+
+def _setup(msg: Message, context: Context):
+    conf = msg.content["config"]
+    cfg = wire.config_from_json(str(conf["cfg"]))
+    lm, client = build_client(cfg, context)
+    method = method_class(cfg.method)(method_args(cfg))
+    folder = state_folder(context, str(conf["experiment"]), client.id)
+    load_state(folder, int(conf["done"]), client, method, _w0(lm, cfg))
+    return cfg, conf, lm, client, method, folder
+
+
+def _info(client: Client) -> dict:
+    return {"metrics": MetricRecord({"n-train": client.n_train, "n-test": len(client.data.test),
+                                     "truncated": sum(e.truncated for e in client.train)}),
+            "info": ConfigRecord({"client": client.id, "task": client.data.task})}
+
+
+# ---- the three message handlers ---------------------------------------------------------
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    k, n = partition(context)
+    return Message(RecordDict({"info": ConfigRecord({"partition-id": k, "num-partitions": n})}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    cfg, conf, lm, client, method, folder = _setup(msg, context)
+    dtype, device = next(iter(lm.lora.values())).dtype, lm.device
+    global_params = wire.from_record(msg.content[wire.GLOBAL], dtype, device)
+    received = wire.unpack(msg.content, wire.BROADCAST, dtype, device)
+    r = int(conf["round"])
+    batches = draw_batches(client, cfg, lm.tokenizer.pad_token_id)
+    result = local_round(lm, method, client.state, global_params, received, batches, cfg.lr, r)
+    client.personalized = result.personalized
+    save_state(folder, int(conf["done"]) + 1, client)
+    log.info("client %d (%s): round %d done, mean loss %.4f", client.id, client.data.task, r + 1,
+             sum(result.losses) / len(result.losses))
+    reply = _info(client)
+    metrics = reply["metrics"]
+    metrics["losses"] = [float(x) for x in result.losses]
+    metrics["update-norm"], metrics["model-norm"] = result.update_norm, result.model_norm
+    for key, value in (("gsnr-mean", result.gsnr_mean), ("gsnr-ratio", result.gsnr_ratio)):
+        if value is not None:  # None (fewer than 2 steps) is left out
+            metrics[key] = float(value)
+    return Message(RecordDict({**wire.pack(wire.MESSAGE, result.message), **reply}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Score the personalized model (the global one if this client never trained), the global
+    model and, when asked, the base model on the first `limit` test examples (0: all)."""
+    cfg, conf, lm, client, _, folder = _setup(msg, context)
+    dtype, device = next(iter(lm.lora.values())).dtype, lm.device
+    global_params = wire.from_record(msg.content[wire.GLOBAL], dtype, device)
+    limit = int(conf.get("limit", 0)) or None
+    test = client.data.test[:limit]
+    personal = client.personalized if client.personalized is not None else global_params
+    outputs, reply = {}, _info(client)
+    jobs = [("personalized", personal), ("global", global_params)] + ([("base", None)] if conf.get("base") else [])
+    for label, adapter in jobs:
+        score, outputs[label] = score_client(lm, test, adapter, cfg, f"eval {label} {client.data.task}", False)
+        reply["metrics"][f"rouge-l-{label}"] = score
+    reply["metrics"]["n-test"] = len(test)
+    if conf.get("predictions"):
+        ckpt.write_jsonl(folder / "predictions.jsonl", [
+            {"client": client.id, "task": client.data.task, "prompt": ex.prompt, "reference": ex.response,
+             **{label: outputs[label][j] for label in ("personalized", "global")},
+             "base": outputs["base"][j] if "base" in outputs else None}
+            for j, ex in enumerate(test)])
+    return Message(RecordDict(reply), reply_to=msg)

@@ -1,0 +1,219 @@
+"""`MethodStrategy`: a Flower strategy that runs one of our methods' server rule.
+
+It holds what the in-process engine's server holds: the global adapter w^r,
+the method's server state (SCAFFOLD's c, FedDyn's h, FedOpt's moments) and,
+per client, how many rounds it has finished. It also knows which SuperNode is
+which client (their node config's ``partition-id``, asked with a ``query``
+message).
+
+* `configure_train`: the round's participants are `engine.sample_clients`
+  (the same seeded sample); each is sent w^r and ``method.broadcast(...)``.
+* `aggregate_train`: the replies in client order; ``method.aggregate`` with
+  weights |D_k| / Σ_j |D_j| over the clients that replied and a
+  `RoundContext`. A client that did not reply (node gone, error, timeout) is
+  logged by name and left out, as long as at least ``min-clients`` replied
+  (0: all sampled clients); otherwise `RoundFailed`.
+* `configure_evaluate` / `aggregate_evaluate`: every connected client scores
+  its personalized model, the global model (and the base model).
+
+The ServerApp drives these hooks itself rather than with ``Strategy.start``,
+so that every round is checkpointed and a run can resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from ..client import ClientRound
+from ..config import RunConfig
+from ..engine import sample_clients
+from ..errors import TrainingDiverged, UserError
+from ..methods.base import Method, Params, RoundContext
+from . import wire
+
+log = logging.getLogger("flwr.pflalign")
+
+
+class RoundFailed(UserError):
+    """Fewer clients replied to a round than the configured minimum."""
+
+
+class MethodStrategy(Strategy):
+    def __init__(self, method: Method, cfg: RunConfig, global_params: Params, experiment: str,
+                 min_clients: int = 0, query_timeout: float = 120.0):
+        self.method, self.cfg, self.experiment = method, cfg, experiment
+        self.global_params = global_params
+        self.server_state = method.init_server_state(global_params)
+        self.dtype = next(iter(global_params.values())).dtype
+        self.tasks = wire.client_tasks(cfg)
+        self.min_clients = min_clients
+        self.query_timeout = query_timeout
+        self.rounds_done: dict[int, int] = {}  # client → rounds it finished (saved in the checkpoint)
+        self.nodes: dict[int, int] = {}  # client (partition-id) → SuperNode id
+        self.strangers: set[int] = set()  # SuperNodes that did not answer the query (not asked again)
+        self._pending: list[tuple[Message, int]] = []  # sent messages and their clients, to match replies
+        self.chosen: list[int] = []  # the round's sampled clients
+        self.n_train: dict[int, int] = {}  # client → |D_k|, as the clients report it
+        self.weights: list[float] = []  # the last round's aggregation weights
+        self.bytes_down = self.bytes_up = 0  # the last round's tensor payload, to and from the clients
+        self.results: list[tuple[int, ClientRound]] = []  # the last round's replies, in client order
+        self.missing: dict[int, str] = {}  # the last round's (or evaluation's) absent clients → why
+        self.scores: dict[int, dict] = {}  # the evaluation's replies
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.tasks)
+
+    def name(self, k: int) -> str:
+        return f"client {k} ({self.tasks[k]})"
+
+    def summary(self) -> None:
+        log.info("pflalign %s: %d clients (%s), %d rounds x %d local steps, min-clients %s",
+                 self.cfg.method, self.num_clients, ", ".join(self.tasks), self.cfg.rounds,
+                 self.cfg.local_steps, self.min_clients or "all")
+
+    # ---- which SuperNode is which client ------------------------------------------------
+    def connect(self, grid: Grid, wait_for: int, timeout: float) -> None:
+        """Ask new SuperNodes which client they are, forget gone ones; wait (up to `timeout`
+        seconds) until `wait_for` clients are connected."""
+        deadline = time.monotonic() + timeout
+        while True:
+            live = set(grid.get_node_ids())
+            self.nodes = {k: n for k, n in self.nodes.items() if n in live}
+            new = sorted(live - set(self.nodes.values()) - self.strangers)
+            if new:
+                self._identify(grid, new)
+            if len(self.nodes) >= wait_for:
+                return
+            if time.monotonic() > deadline:
+                absent = [self.name(k) for k in range(self.num_clients) if k not in self.nodes]
+                raise UserError(f"{len(self.nodes)} of {self.num_clients} clients connected after {timeout:.0f} s; "
+                                f"no SuperNode for {', '.join(absent)} (node config partition-id)")
+            time.sleep(1.0)
+
+    def _identify(self, grid: Grid, node_ids: list[int]) -> None:
+        queries = [Message(RecordDict({"config": ConfigRecord()}), node, MessageType.QUERY) for node in node_ids]
+        self.strangers.update(node_ids)  # until they answer
+        for reply in grid.send_and_receive(queries, timeout=self.query_timeout):
+            if reply.has_error():
+                log.warning("a SuperNode did not say which client it is: %s", reply.error.reason)
+                continue
+            info = reply.content["info"]
+            k, n, node = int(info["partition-id"]), int(info["num-partitions"]), reply.metadata.src_node_id
+            self.strangers.discard(node)
+            if n != self.num_clients or not 0 <= k < n:
+                raise UserError(f"SuperNode {node} has partition-id={k} num-partitions={n}, but the run has "
+                                f"{self.num_clients} clients ({', '.join(self.tasks)})")
+            if k in self.nodes and self.nodes[k] != node:  # a restarted node, or a misconfigured one
+                log.warning("SuperNode %d replaces SuperNode %d as %s", node, self.nodes[k], self.name(k))
+            self.nodes[k] = node
+            log.info("SuperNode %d is %s", node, self.name(k))
+
+    def _messages(self, clients: Iterable[int], content_of, message_type: str, server_round: int) -> list[Message]:
+        self._pending = [(Message(content_of(k), self.nodes[k], message_type, group_id=str(server_round)), k)
+                         for k in clients]
+        return [msg for msg, _ in self._pending]
+
+    def _match(self, replies: Iterable[Message]) -> tuple[dict[int, Message], dict[int, str]]:
+        """Replies by client, and the clients without a good reply → why."""
+        by_id = {msg.metadata.message_id: k for msg, k in self._pending}
+        got, missing = {}, {}
+        for reply in replies:
+            k = by_id.get(reply.metadata.reply_to_message_id)
+            if k is None:
+                continue
+            if reply.has_error():
+                if "TrainingDiverged" in reply.error.reason:
+                    raise TrainingDiverged(f"{self.name(k)}: {reply.error.reason}")
+                missing[k] = reply.error.reason
+            else:
+                got[k] = reply
+        for _, k in self._pending:
+            if k not in got and k not in missing:
+                missing[k] = "no reply before the timeout"
+        return got, missing
+
+    def _config(self, k: int, **extra) -> ConfigRecord:
+        # done: the client's rounds this server has accepted; the client starts from its state after them
+        return ConfigRecord({"cfg": wire.config_json(self.cfg), "experiment": self.experiment,
+                             "done": self.rounds_done.get(k, 0), **extra})
+
+    # ---- training -------------------------------------------------------------------------
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        r = server_round - 1
+        self.connect(grid, wait_for=0, timeout=0)  # pick up restarted SuperNodes
+        chosen = sample_clients(self.num_clients, self.cfg.participation, self.cfg.seed, r)
+        self.chosen = chosen
+        self.missing = {k: "its SuperNode is not connected" for k in chosen if k not in self.nodes}
+        broadcast = wire.pack(wire.BROADCAST, self.method.broadcast(self.global_params, self.server_state))
+        messages = self._messages(
+            [k for k in chosen if k in self.nodes],
+            lambda k: RecordDict({wire.GLOBAL: arrays, **broadcast, "config": self._config(k, round=r)}),
+            MessageType.TRAIN, server_round)
+        self.bytes_down = sum(wire.payload_bytes(msg.content) for msg in messages)
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord, MetricRecord]:
+        r = server_round - 1
+        got, missing = self._match(replies)
+        self.missing.update(missing)
+        self.bytes_up = sum(wire.payload_bytes(reply.content) for reply in got.values())
+        for k in sorted(self.missing):
+            log.warning("round %d: %s is missing: %s", server_round, self.name(k), self.missing[k])
+        need = len(self.chosen) if self.min_clients <= 0 else min(self.min_clients, len(self.chosen))
+        if len(got) < need:
+            raise RoundFailed(
+                f"round {server_round}: {len(got)} of {len(self.chosen)} clients replied, fewer than "
+                f"min-clients={self.min_clients or 'all'}; missing: "
+                + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(self.missing.items())))
+        self.results = []
+        for k in sorted(got):
+            content = got[k].content
+            m = content["metrics"]
+            self.results.append((k, ClientRound(
+                message=wire.unpack(content, wire.MESSAGE, self.dtype), personalized=None,
+                losses=list(m["losses"]), gsnr_mean=m.get("gsnr-mean"), gsnr_ratio=m.get("gsnr-ratio"),
+                update_norm=m["update-norm"], model_norm=m["model-norm"])))
+            self.n_train[k] = int(m["n-train"])
+        ids = [k for k, _ in self.results]
+        total = sum(self.n_train[k] for k in ids)
+        self.weights = [self.n_train[k] / total for k in ids]
+        self.global_params = self.method.aggregate(
+            self.global_params, [res.message for _, res in self.results], self.weights, self.server_state,
+            RoundContext(r, self.num_clients, ids))
+        for k in ids:
+            self.rounds_done[k] = self.rounds_done.get(k, 0) + 1
+        mean_loss = sum(l for _, res in self.results for l in res.losses) / sum(len(res.losses) for _, res in self.results)
+        return wire.to_record(self.global_params), MetricRecord({"mean-loss": mean_loss})
+
+    # ---- evaluation -----------------------------------------------------------------------
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        """`config`: ``limit`` (test examples per client, 0: all), ``base`` (also the base
+        model), ``predictions`` (clients write their generations next to their state)."""
+        self.connect(grid, wait_for=0, timeout=0)
+        clients = sorted(self.nodes)
+        self.missing = {k: "its SuperNode is not connected" for k in range(self.num_clients) if k not in self.nodes}
+        return self._messages(clients, lambda k: RecordDict({wire.GLOBAL: arrays, "config": self._config(k, **config)}),
+                              MessageType.EVALUATE, server_round)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord:
+        got, missing = self._match(replies)
+        self.missing.update(missing)
+        for k in sorted(self.missing):
+            log.warning("evaluation: %s is missing: %s", self.name(k), self.missing[k])
+        self.scores = {k: {**dict(got[k].content["metrics"]), "task": str(got[k].content["info"]["task"])}
+                       for k in sorted(got)}
+        out = {}
+        for key in ("rouge-l-personalized", "rouge-l-global"):
+            values = [s[key] for s in self.scores.values()]
+            if values:
+                out[key] = sum(values) / len(values)
+        return MetricRecord(out)
