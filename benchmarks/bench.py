@@ -1,0 +1,212 @@
+"""pflalign benchmark: how close local training and evaluation run to this machine's limit.
+
+    .venv/bin/python benchmarks/bench.py --data-dir ../shared/data --out benchmarks/results/cpu.json
+
+Measures, in one process and one run (ratios, because absolute times drift):
+  * the machine's peak fp32 matmul throughput (GFLOP/s): the reference limit;
+  * local training (forward + backward at the live adapter) on FLAN and Dolly
+    batches of the paper (batch 4, up to 1024 tokens): non-pad tokens/s,
+    model GFLOP/s and MFU = achieved / peak;
+  * a whole federated round (4 clients x 5 steps) and the share of it spent
+    outside forward/backward;
+  * evaluation: batched greedy generation vs one prompt at a time (examples/s,
+    generated tokens/s, identical outputs or not);
+  * peak resident memory of a 1-round job with 4 and with 8 clients (subprocesses).
+
+FLOP count per non-pad token, per frozen linear layer (d_in x d_out):
+forward 2·d_in·d_out, backward 2·d_in·d_out (input gradient only, the weight is
+frozen); per LoRA pair of rank r: forward 2r(d_in + d_out), backward
+4r(d_in + d_out) (input and weight gradients); attention scores and values:
+forward 4·L·d_model per token for a sequence of L tokens, halved for causal
+masking, and twice that backward; the LM head only at response positions:
+2·d_model·V forward + 2·d_model·V backward. Embedding lookups count zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pflalign.checkpoint import MetricsLog
+from pflalign.config import build_config
+from pflalign.data.load import load_federation
+from pflalign.engine import Federation
+from pflalign.evaluate import generate
+from pflalign.model import FederatedLM, LoraSettings
+from pflalign.prompts import IGNORE, batch_indices, collate_train, encode_prompt, encode_train
+
+
+def matmul_peak(sizes=(1024, 2048, 3072), repeats=5) -> float:
+    """Best fp32 GFLOP/s of a square matmul over a few sizes."""
+    best = 0.0
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)
+        for _ in range(repeats):
+            tic = time.perf_counter()
+            torch.mm(a, b)
+            best = max(best, 2 * n**3 / (time.perf_counter() - tic) / 1e9)
+    return best
+
+
+def linear_shapes(model) -> list[tuple[int, int, int]]:
+    """(d_in, d_out, lora_rank or 0) of every linear layer of the backbone (not the LM head)."""
+    shapes = []
+    for name, module in model.named_modules():
+        if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+            base = module.base_layer
+            rank = module.lora_A["default"].out_features
+            shapes.append((base.in_features, base.out_features, rank))
+    return shapes
+
+
+def training_flops(lm: FederatedLM, batch: dict) -> float:
+    """Model FLOPs of one forward + backward on `batch` (see the module docstring)."""
+    cfg = lm.model.get_base_model().config
+    d, vocab = cfg.hidden_size, cfg.vocab_size
+    layers = cfg.num_hidden_layers
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    tokens = sum(lengths)
+    response = int((batch["labels"][:, 1:] != IGNORE).sum())
+    per_token = 0.0
+    for d_in, d_out, r in linear_shapes(lm.model):
+        per_token += 4 * d_in * d_out + 6 * r * (d_in + d_out)
+    attention = sum(layers * 3 * 4 * L * d / 2 * L for L in lengths)  # fwd 4Ld/2 per token, x3 with backward
+    head = response * 4 * d * vocab
+    return per_token * tokens + attention + head
+
+
+def bench_training(lm: FederatedLM, clients, batch_size: int, steps: int, max_len: int, peak: float) -> dict:
+    pad = lm.tokenizer.pad_token_id
+    encoded = [[encode_train(lm.tokenizer, ex, max_len) for ex in c.train] for c in clients]
+    batches = []
+    for s in range(steps + 1):
+        k = s % len(clients)
+        idx = batch_indices(len(encoded[k]), batch_size, s, seed=k)
+        batches.append(collate_train([encoded[k][i] for i in idx], pad))
+    lm.loss_and_grads(batches[0])  # warm-up
+    seconds = flops = tokens = 0.0
+    for batch in batches[1:]:
+        tic = time.perf_counter()
+        lm.loss_and_grads(batch)
+        seconds += time.perf_counter() - tic
+        flops += training_flops(lm, batch)
+        tokens += int(batch["attention_mask"].sum())
+    gflops = flops / seconds / 1e9
+    return {"steps": steps, "seconds_per_step": seconds / steps, "tokens_per_s": tokens / seconds,
+            "gflops": gflops, "mfu": gflops / peak}
+
+
+def bench_round(cfg_overrides: dict) -> dict:
+    """One federated round through the engine, with forward/backward time separated."""
+    cfg = build_config(None, cfg_overrides)
+    fed = Federation(cfg, progress=False)
+    inner = {"seconds": 0.0}
+    original = fed.lm.loss_and_grads
+
+    def timed(batch):
+        tic = time.perf_counter()
+        out = original(batch)
+        inner["seconds"] += time.perf_counter() - tic
+        return out
+
+    fed.lm.loss_and_grads = timed
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = MetricsLog(Path(tmp) / "m.jsonl")
+        fed.train(Path(tmp), 0, metrics, stop_after=1)  # warm-up round (first calls are slow)
+        inner["seconds"] = 0.0
+        tic = time.perf_counter()
+        fed.train(Path(tmp), 1, metrics, stop_after=1)
+        total = time.perf_counter() - tic
+        metrics.close()
+    return {"seconds": total, "forward_backward_seconds": inner["seconds"],
+            "overhead_share": 1 - inner["seconds"] / total}
+
+
+def bench_generation(lm: FederatedLM, examples, max_new_tokens: int, batch_size: int, single: int) -> dict:
+    prompts = [encode_prompt(lm.tokenizer, ex, 1024)[0] for ex in examples]
+    tic = time.perf_counter()
+    batched = generate(lm.model, lm.tokenizer, prompts, max_new_tokens, batch_size, progress=False)
+    t_batched = time.perf_counter() - tic
+    tic = time.perf_counter()
+    one = generate(lm.model, lm.tokenizer, prompts[:single], max_new_tokens, 1, progress=False)
+    t_one = time.perf_counter() - tic
+    new_tokens = sum(len(lm.tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in batched)
+    return {
+        "examples": len(prompts), "batch_size": batch_size,
+        "batched_examples_per_s": len(prompts) / t_batched,
+        "batched_generated_tokens_per_s": new_tokens / t_batched,
+        "single_examples_per_s": single / t_one,
+        "speedup": (len(prompts) / t_batched) / (single / t_one),
+        "identical_outputs": batched[:single] == one,
+    }
+
+
+def peak_memory(clients: int) -> float:
+    """Peak RSS (GB) of a subprocess running a 1-round, 1-step job with `clients` synthetic clients."""
+    code = (
+        "import resource; from pflalign.config import build_config; from pflalign.engine import run;"
+        "import tempfile;"
+        f"cfg=build_config('demo', {{'rounds':1,'local_steps':1,'eval':{{'base_model':False,'max_new_tokens':1}},"
+        f"'data':{{'max_test':1,'clients':(['arithmetic','sorting','uppercase','key_value']*2)[:{clients}]}}}});"
+        "run(cfg, tempfile.mkdtemp(), progress=False);"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1]) / 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", required=True, help="folder with flan/ and dolly/ (e.g. ../shared/data)")
+    parser.add_argument("--out", default="benchmarks/results/latest.json")
+    parser.add_argument("--steps", type=int, default=8, help="timed training steps per dataset")
+    parser.add_argument("--skip-memory", action="store_true")
+    args = parser.parse_args()
+    data = Path(args.data_dir)
+    report: dict = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
+                                "cpus": os.cpu_count(), "torch": torch.__version__,
+                                "threads": torch.get_num_threads()}}
+    peak = matmul_peak()
+    report["matmul_peak_gflops"] = peak
+    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s")
+
+    lm = FederatedLM.build("smollm2-135m", LoraSettings(), seed=0)
+    flan = load_federation("flan", str(data / "flan"), None, 42, None, 64)
+    dolly = load_federation("dolly", str(data / "dolly" / "databricks-dolly-15k.jsonl"), None, 42, None, None)
+    report["train_flan"] = bench_training(lm, flan, 4, args.steps, 1024, peak)
+    report["train_dolly"] = bench_training(lm, dolly, 4, args.steps, 1024, peak)
+    report["mfu"] = report["train_flan"]["mfu"]
+    for key in ("train_flan", "train_dolly"):
+        r = report[key]
+        print(f"{key}: {r['tokens_per_s']:.0f} tok/s, {r['gflops']:.1f} GFLOP/s, MFU {r['mfu']:.1%}")
+
+    base = {"model": "smollm2-135m", "rounds": 2, "eval": {"base_model": False}}
+    report["round_flan"] = bench_round({**base, "data": {"name": "flan", "dir": str(data / "flan"), "max_test": 1}})
+    print(f"round_flan: {report['round_flan']['seconds']:.1f} s, overhead {report['round_flan']['overhead_share']:.1%}")
+
+    test = [ex for c in flan for ex in c.test[:8]]
+    report["generation_flan"] = bench_generation(lm, test, 128, 16, single=8)
+    g = report["generation_flan"]
+    print(f"generation: batched {g['batched_examples_per_s']:.2f} ex/s vs single {g['single_examples_per_s']:.2f} ex/s "
+          f"({g['speedup']:.1f}x), identical={g['identical_outputs']}")
+
+    if not args.skip_memory:
+        report["peak_rss_gb"] = {"4_clients": peak_memory(4), "8_clients": peak_memory(8)}
+        print(f"peak RSS: {report['peak_rss_gb']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
