@@ -27,18 +27,10 @@ from pflalign import checkpoint as ckpt
 from pflalign.config import build_config
 from pflalign.engine import run as run_in_process
 
+from test_engine import TINY  # the same tiny federation as the in-process engine's tests
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-TINY = {
-    "model": "tiny-llama",
-    "lora": {"r": 4, "alpha": 8},
-    "data": {"name": "synthetic", "clients": ["arithmetic", "sorting"], "max_train": 12, "max_test": 3},
-    "rounds": 2,
-    "local_steps": 2,
-    "batch_size": 2,
-    "max_seq_len": 96,
-    "eval": {"max_new_tokens": 4, "batch_size": 4},
-}
 RUN_TIMEOUT = 600  # seconds, one `flwr run`
 ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",  # nothing leaves the machine
