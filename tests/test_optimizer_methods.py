@@ -77,11 +77,12 @@ def test_feddyn_fixed_point_is_the_unweighted_optimum():
 
 
 # ---- FedProx ---------------------------------------------------------------------
-def test_fedprox_with_mu_zero_is_fedavg_exactly():
+@pytest.mark.parametrize("method", [FedProx(FedProxArgs(mu=0.0)), FedSAM(FedSAMArgs(rho=0.0))], ids=["fedprox-mu0", "fedsam-rho0"])
+def test_reduces_to_fedavg_exactly(method):
     w0 = {"w": vec(0.3, -0.2)}
     run = dict(grad_of=CLIENTS, weights=[0.3, 0.7], rounds=4, steps=5, lr=0.05)
     ref_glob, ref_personal, _ = simulate(FedAvg(), w0, **run)
-    glob, personal, _ = simulate(FedProx(FedProxArgs(mu=0.0)), w0, **run)
+    glob, personal, _ = simulate(method, w0, **run)
     assert torch.equal(glob["w"], ref_glob["w"])
     assert all(torch.equal(p["w"], q["w"]) for p, q in zip(personal, ref_personal))
 
@@ -108,15 +109,6 @@ def two_tensor_quadratic(ax, cx, ay, cy, calls=None):
         loss = float((0.5 * ax * (x - cx) ** 2).sum() + (0.5 * ay * (y - cy) ** 2).sum())
         return loss, {"x": ax * (x - cx), "y": ay * (y - cy)}
     return grad_of
-
-
-def test_fedsam_with_rho_zero_is_fedavg_exactly():
-    w0 = {"w": vec(0.3, -0.2)}
-    run = dict(grad_of=CLIENTS, weights=[0.3, 0.7], rounds=4, steps=5, lr=0.05)
-    ref_glob, ref_personal, _ = simulate(FedAvg(), w0, **run)
-    glob, personal, _ = simulate(FedSAM(FedSAMArgs(rho=0.0)), w0, **run)
-    assert torch.equal(glob["w"], ref_glob["w"])
-    assert all(torch.equal(p["w"], q["w"]) for p, q in zip(personal, ref_personal))
 
 
 def test_fedsam_step_by_hand_with_the_joint_norm():
