@@ -106,51 +106,77 @@ def bench_training(lm: FederatedLM, clients, batch_size: int, steps: int, max_le
             "gflops": gflops, "mfu": gflops / peak}
 
 
+def own_peak_rss_gb() -> float:
+    """This process's peak resident memory (VmHWM). Not ru_maxrss: Linux carries
+    that over from the parent across fork + exec, so a subprocess of a big
+    benchmark process would report the parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1e6  # kB -> GB
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def bench_round(cfg_overrides: dict) -> dict:
-    """One federated round through the engine, with forward/backward time separated."""
+    """One federated round through the engine, in a fresh subprocess (so its peak
+    resident memory is the round's own), with forward/backward time separated."""
+    code = "import json, sys; sys.path.insert(0, sys.argv[2]); from bench import _round; print(json.dumps(_round(json.loads(sys.argv[1]))))"
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cfg_overrides), str(Path(__file__).parent)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _round(cfg_overrides: dict) -> dict:
     cfg = build_config(None, cfg_overrides)
     fed = Federation(cfg, progress=False)
-    inner = {"seconds": 0.0}
+    inner = {"seconds": 0.0, "tokens": 0}
     original = fed.lm.loss_and_grads
 
     def timed(batch):
         tic = time.perf_counter()
         out = original(batch)
         inner["seconds"] += time.perf_counter() - tic
+        inner["tokens"] += int(batch["attention_mask"].sum())
         return out
 
     fed.lm.loss_and_grads = timed
     with tempfile.TemporaryDirectory() as tmp:
         metrics = MetricsLog(Path(tmp) / "m.jsonl")
         fed.train(Path(tmp), 0, metrics, stop_after=1)  # warm-up round (first calls are slow)
-        inner["seconds"] = 0.0
+        inner.update(seconds=0.0, tokens=0)
         tic = time.perf_counter()
         fed.train(Path(tmp), 1, metrics, stop_after=1)
         total = time.perf_counter() - tic
         metrics.close()
+        checkpoint_mb = (Path(tmp) / "checkpoint.pt").stat().st_size / 1e6
     return {"seconds": total, "forward_backward_seconds": inner["seconds"],
-            "overhead_share": 1 - inner["seconds"] / total}
+            "overhead_share": 1 - inner["seconds"] / total, "non_pad_tokens_per_s": inner["tokens"] / total,
+            "checkpoint_mb": checkpoint_mb, "peak_rss_gb": own_peak_rss_gb()}
 
 
 def bench_generation(lm: FederatedLM, examples, max_new_tokens: int, batch_size: int, single: int) -> dict:
+    """Evaluation's generation (adapter merged, prompts grouped by length): all `examples`
+    batched, and an evenly spread subset of `single` of them batched and one at a time."""
     prompts = [encode_prompt(lm.tokenizer, ex, 1024)[0] for ex in examples]
-    tic = time.perf_counter()
-    batched = generate(lm.model, lm.tokenizer, prompts, max_new_tokens, batch_size, progress=False)
-    t_batched = time.perf_counter() - tic
-    # one at a time on an evenly spread subset, against the batched run on that same subset
     subset = prompts[:: max(1, len(prompts) // single)][:single]
-    tic = time.perf_counter()
-    batched_subset = generate(lm.model, lm.tokenizer, subset, max_new_tokens, batch_size, progress=False)
-    t_batched_subset = time.perf_counter() - tic
-    tic = time.perf_counter()
-    one = generate(lm.model, lm.tokenizer, subset, max_new_tokens, 1, progress=False)
-    t_one = time.perf_counter() - tic
+    with lm.merged():
+        tic = time.perf_counter()
+        batched = generate(lm.model, lm.tokenizer, prompts, max_new_tokens, batch_size, progress=False)
+        t_batched = time.perf_counter() - tic
+        tic = time.perf_counter()
+        batched_subset = generate(lm.model, lm.tokenizer, subset, max_new_tokens, batch_size, progress=False)
+        t_batched_subset = time.perf_counter() - tic
+        tic = time.perf_counter()
+        one = generate(lm.model, lm.tokenizer, subset, max_new_tokens, 1, progress=False)
+        t_one = time.perf_counter() - tic
     new_tokens = sum(len(lm.tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in batched)
     return {
-        "examples": len(prompts), "batch_size": batch_size,
+        "examples": len(prompts), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
         "batched_examples_per_s": len(prompts) / t_batched,
         "batched_generated_tokens_per_s": new_tokens / t_batched,
         "single_examples_per_s": single / t_one,
+        "speedup_batched_vs_single": (len(prompts) / t_batched) / (single / t_one),
         "speedup_same_prompts": t_one / t_batched_subset,
         "identical_outputs": batched_subset == one,
     }
@@ -163,12 +189,13 @@ def peak_memory(clients: int, flan_dir: Path) -> float:
     overrides = {"rounds": 1, "local_steps": 1, "eval": {"base_model": False, "max_new_tokens": 1},
                  "data": {"name": "flan", "dir": str(flan_dir), "clients": categories, "max_test": 1}}
     code = (
-        "import json, resource, sys, tempfile; from pflalign.config import build_config; from pflalign.engine import run;"
-        "run(build_config(None, json.loads(sys.argv[1])), tempfile.mkdtemp(), progress=False);"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        "import json, sys, tempfile; sys.path.insert(0, sys.argv[2]); from bench import own_peak_rss_gb;"
+        "from pflalign.config import build_config; from pflalign.engine import run;"
+        "run(build_config(None, json.loads(sys.argv[1])), tempfile.mkdtemp(), progress=False); print(own_peak_rss_gb())"
     )
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(overrides)], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1]) / 1e6
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(overrides), str(Path(__file__).parent)],
+                         capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -197,14 +224,18 @@ def main() -> None:
         print(f"{key}: {r['tokens_per_s']:.0f} tok/s, {r['gflops']:.1f} GFLOP/s, MFU {r['mfu']:.1%}")
 
     base = {"model": "smollm2-135m", "rounds": 2, "eval": {"base_model": False}}
-    report["round_flan"] = bench_round({**base, "data": {"name": "flan", "dir": str(data / "flan"), "max_test": 1}})
-    print(f"round_flan: {report['round_flan']['seconds']:.1f} s, overhead {report['round_flan']['overhead_share']:.1%}")
+    for name, data_cfg in (("flan", {"name": "flan", "dir": str(data / "flan"), "max_test": 1}),
+                           ("dolly", {"name": "dolly", "dir": str(data / "dolly" / "databricks-dolly-15k.jsonl"),
+                                      "max_test": 1})):
+        r = report[f"round_{name}"] = bench_round({**base, "data": data_cfg})
+        print(f"round_{name}: {r['seconds']:.1f} s, {r['non_pad_tokens_per_s']:.0f} non-pad tok/s, "
+              f"overhead {r['overhead_share']:.1%}, checkpoint {r['checkpoint_mb']:.0f} MB, peak RSS {r['peak_rss_gb']:.2f} GB")
 
-    test = [ex for c in flan for ex in c.test[:8]]
-    report["generation_flan"] = bench_generation(lm, test, 128, 16, single=8)
+    test = [ex for c in flan for ex in c.test[:16]]
+    report["generation_flan"] = bench_generation(lm, test, 128, 64, single=16)
     g = report["generation_flan"]
     print(f"generation: batched {g['batched_examples_per_s']:.2f} ex/s vs single {g['single_examples_per_s']:.2f} ex/s "
-          f"(same {len(test[:8])} prompts: {g['speedup_same_prompts']:.1f}x), identical={g['identical_outputs']}")
+          f"= {g['speedup_batched_vs_single']:.1f}x; same 16 prompts: {g['speedup_same_prompts']:.1f}x, identical={g['identical_outputs']}")
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")  # kept if the memory step fails

@@ -5,7 +5,7 @@ import torch
 
 from pflalign.data import Example
 from pflalign.errors import UserError
-from pflalign.model import FederatedLM, LoraSettings, load_base_model
+from pflalign.model import FederatedLM, LoraSettings, load_base_model, pack_rows
 from pflalign.prompts import collate_train, encode_train
 
 
@@ -22,6 +22,30 @@ def test_response_only_loss_equals_full_masked_loss(family, request):
         ours = lm.loss(**batch)
         reference = lm.model(**batch).loss  # HF: full-vocabulary logits at every position, masked mean
     assert ours.item() == pytest.approx(reference.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("pack_tokens", [1, 80, 512])  # one example per row, rows of 1-2, all in one row
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_opt"])
+def test_unpadded_step_equals_padded_batch_step(family, pack_tokens, request):
+    """The CPU path (no pad tokens; examples packed into rows under a block-diagonal
+    mask) gives the padded batch's loss and gradients."""
+    lm = request.getfixturevalue(family)
+    saved = lm.get_lora()
+    try:
+        lm.set_lora({n: t + 0.05 * torch.randn_like(t) for n, t in saved.items()})  # B != 0: every grad nonzero
+        examples = [Example("Sort: 3, 1, 2", "1, 2, 3"), Example("Upper: abc def ghi jkl", "ABC DEF GHI JKL"),
+                    Example("Say hi", "hello there, how are you?")]
+        batch = collate_train([encode_train(lm.tokenizer, e, 128) for e in examples], lm.tokenizer.pad_token_id)
+        assert len(set(batch["attention_mask"].sum(1).tolist())) == 3  # three lengths: padding is real
+        assert len(pack_rows(batch, 512)) == 1 and len(pack_rows(batch, 1)) == 3
+        loss_p, grads_p = lm.loss_and_grads(batch, unpadded=False)
+        grads_p = {n: g.clone() for n, g in grads_p.items()}
+        loss_u, grads_u = lm.loss_and_grads(batch, unpadded=True, pack_tokens=pack_tokens)
+        assert loss_u == pytest.approx(loss_p, abs=1e-6)
+        for n in grads_p:
+            torch.testing.assert_close(grads_u[n], grads_p[n], rtol=1e-4, atol=1e-7)
+    finally:
+        lm.set_lora(saved)
 
 
 @pytest.mark.parametrize("family,modules", [

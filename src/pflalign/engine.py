@@ -10,7 +10,6 @@ that lives behind `pflalign.methods.base.Method`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -79,7 +78,7 @@ def score_client(lm: FederatedLM, test: list, adapter: Params | None, cfg: RunCo
     prompts = [encode_prompt(lm.tokenizer, ex, cfg.max_seq_len)[0] for ex in test]
     if adapter is not None:
         lm.set_lora(adapter)
-    with lm.model.disable_adapter() if adapter is None else contextlib.nullcontext():
+    with lm.model.disable_adapter() if adapter is None else lm.merged():
         preds = generate(lm.model, lm.tokenizer, prompts, cfg.eval.max_new_tokens, cfg.eval.batch_size,
                          desc=desc, progress=progress)
     return rouge_l(preds, [ex.response for ex in test]), preds

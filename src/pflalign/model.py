@@ -13,6 +13,7 @@ model is only its LoRA tensors, copied in and out of the live adapter
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -213,6 +214,10 @@ class FederatedLM:
     def device(self) -> torch.device:
         return next(iter(self.lora.values())).device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.lora.values())).dtype
+
     def get_lora(self) -> Params:
         """A detached copy of the live adapter."""
         return {n: p.detach().clone() for n, p in self.lora.items()}
@@ -227,6 +232,30 @@ class FederatedLM:
         for n, p in self.lora.items():
             p.copy_(params[n])
 
+    @contextlib.contextmanager
+    def merged(self):
+        """Inside: the live adapter folded into the base weights (W + s·B·A) and the
+        LoRA branches switched off, so generation runs plain linear layers (no 2
+        extra small matmuls per projection per token). On exit the base weights
+        are restored from a copy, bit for bit (subtracting the product again
+        would leave rounding drift in the shared backbone)."""
+        from peft.tuners.lora import LoraLayer
+
+        layers = [m for m in self.model.modules() if isinstance(m, LoraLayer)]
+        saved = []
+        try:
+            with torch.no_grad():
+                for layer in layers:
+                    weight = layer.get_base_layer().weight
+                    saved.append(weight.clone())
+                    weight.add_(layer.get_delta_weight("default").to(weight.dtype))
+            with self.model.disable_adapter():
+                yield
+        finally:
+            with torch.no_grad():
+                for layer, original in zip(layers, saved):
+                    layer.get_base_layer().weight.copy_(original)
+
     def loss(self, input_ids, attention_mask, labels) -> torch.Tensor:
         """Mean cross-entropy over response tokens (labels != -100), shifted by one.
 
@@ -234,19 +263,88 @@ class FederatedLM:
         producing full-vocabulary logits for every prompt token; the result
         equals the usual masked loss.
         """
+        total, count = self._loss_sum(input_ids, attention_mask, labels)
+        return total / count
+
+    def loss_and_grads(self, batch, unpadded: bool | None = None, pack_tokens: int = 512) -> tuple[float, Params]:
+        """Forward + backward on one batch at the live adapter; returns (loss, grads).
+
+        The loss is the batch's mean over its response tokens. On CPU
+        (`unpadded` None or True) no work is spent on pad tokens: the examples,
+        cut to their true lengths, are packed into rows of at most
+        `pack_tokens` tokens (a longer example gets a row of its own) where a
+        block-diagonal causal mask and restarted positions keep each example
+        to itself; each row's summed loss is divided by the batch's count of
+        response tokens and the gradients accumulate. This is the padded
+        batch's loss and gradient (tested), with larger matrices than one
+        example at a time and only one row's activations alive at once. On
+        GPU the padded batch runs in one call, which keeps the device busy.
+        """
+        for p in self.lora.values():
+            p.grad = None
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        if unpadded is None:
+            unpadded = self.device.type == "cpu"
+        if not unpadded:
+            loss = self.loss(**batch)
+            loss.backward()
+            value = loss.item()
+        else:
+            count = int((batch["labels"][:, 1:] != -100).sum())
+            value = 0.0
+            for row in pack_rows(batch, pack_tokens, self.dtype):
+                total, _ = self._loss_sum(**row)
+                share = total / count
+                share.backward()
+                value += share.item()
+        grads = {n: p.grad for n, p in self.lora.items()}
+        return value, grads
+
+    def _loss_sum(self, input_ids, attention_mask, labels, position_ids=None) -> tuple[torch.Tensor, int]:
+        """(sum of the response tokens' cross-entropies, their number)."""
         base = self.model.get_base_model()
         backbone = getattr(base, base.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        extra = {} if position_ids is None else {"position_ids": position_ids}
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
         targets = labels[:, 1:]
         keep = targets != -100
         logits = base.get_output_embeddings()(hidden[:, :-1][keep])
-        return F.cross_entropy(logits.float(), targets[keep])
+        return F.cross_entropy(logits.float(), targets[keep], reduction="sum"), int(keep.sum())
 
-    def loss_and_grads(self, batch) -> tuple[float, Params]:
-        """Forward + backward on one batch at the live adapter; returns (loss, grads)."""
-        for p in self.lora.values():
-            p.grad = None
-        loss = self.loss(**{k: v.to(self.device) for k, v in batch.items()})
-        loss.backward()
-        grads = {n: p.grad for n, p in self.lora.items()}
-        return loss.item(), grads
+
+def pack_rows(batch: dict[str, torch.Tensor], max_tokens: int,
+              dtype: torch.dtype = torch.float32) -> list[dict[str, torch.Tensor]]:
+    """The examples of a right-padded batch without their padding, packed in order
+    into rows of at most `max_tokens` tokens.
+
+    A row of several examples carries a block-diagonal causal mask (additive
+    float, 4-D, which both sdpa and eager attention accept) and positions that
+    restart at 0 per example; a row of one example carries no mask at all, so
+    attention takes its plain causal path.
+    """
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    groups: list[list[int]] = []
+    for i, n in enumerate(lengths):
+        if groups and sum(lengths[j] for j in groups[-1]) + n <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    rows = []
+    for group in groups:
+        ids = torch.cat([batch["input_ids"][i, : lengths[i]] for i in group])[None]
+        if len(group) == 1:
+            rows.append({"input_ids": ids, "attention_mask": None, "labels": batch["labels"][group[0] : group[0] + 1, : lengths[group[0]]]})
+            continue
+        labels = []
+        for i in group:
+            own = batch["labels"][i, : lengths[i]].clone()
+            own[0] = -100  # never predicted from the previous example's last token
+            labels.append(own)
+        positions = torch.cat([torch.arange(lengths[i], device=ids.device) for i in group])[None]
+        segment = torch.cat([torch.full((lengths[i],), k, device=ids.device) for k, i in enumerate(group)])
+        n = ids.shape[1]
+        allowed = (segment[:, None] == segment[None, :]) & torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+        mask = torch.zeros(n, n, dtype=dtype, device=ids.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        rows.append({"input_ids": ids, "attention_mask": mask[None, None], "labels": torch.cat(labels)[None],
+                     "position_ids": positions})
+    return rows
