@@ -68,7 +68,7 @@ def run(grid: Grid, rc: dict) -> dict:
     del lm  # the server only needed w^0
     start = 0
     if resuming:
-        saved = ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
+        saved = ckpt.load_run_checkpoint(out)
         strategy.global_params, strategy.server_state = saved["global"], saved["server_state"]
         strategy.experiment, strategy.rounds_done = saved["flower"]["experiment"], saved["flower"]["rounds_done"]
         start = saved["rounds_done"]
@@ -160,7 +160,7 @@ def evaluate(grid: Grid, strategy: MethodStrategy, timeout: float) -> dict:
 
 
 def save(out: Path, strategy: MethodStrategy, rounds_done: int, metrics_offset: int) -> None:
-    ckpt.save_checkpoint(out / ckpt.CHECKPOINT, {
+    ckpt.save_run_checkpoint(out, {
         "rounds_done": rounds_done,
         "global": strategy.global_params,
         "server_state": strategy.server_state,
