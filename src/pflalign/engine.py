@@ -341,6 +341,10 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         metrics.commit()
     except KeyboardInterrupt:
         raise _interrupted(out, fed, metrics) from None
+    except TrainingDiverged as exc:
+        metrics.rollback(fed.saved[1])  # the diverged round leaves no lines
+        kept = f"; the checkpoint after round {fed.saved[0]} is kept" if fed.saved[0] else ""
+        raise TrainingDiverged(f"{exc}{kept}") from None
     finally:
         metrics.close()
     ckpt.write_jsonl(out / ckpt.PREDICTIONS, predictions)
