@@ -30,7 +30,7 @@ from .data.load import load_federation
 from .errors import RunInterrupted, TrainingDiverged, UserError
 from .evaluate import generate, rouge_l
 from .methods import method_class
-from .methods.base import Method, Params, RoundContext, State
+from .methods.base import Method, Params, RoundContext, State, data_weights
 from .model import FederatedLM
 from .prompts import Encoded, batch_indices, collate_train, encode_prompt, encode_train
 
@@ -204,8 +204,7 @@ class Federation:
                 bar.set_postfix(client=self.clients[k].data.task)
                 results.append(self.train_client(self.clients[k], r, received, metrics, bar))
             bar.close()
-            total = sum(self.clients[k].n_train for k in chosen)
-            weights = [self.clients[k].n_train / total for k in chosen]
+            weights = data_weights([self.clients[k].n_train for k in chosen])
             ctx = RoundContext(r, len(self.clients), chosen)
             self.global_params = self.method.aggregate(
                 self.global_params, [res.message for res in results], weights, self.server_state, ctx)

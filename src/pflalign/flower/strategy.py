@@ -34,7 +34,7 @@ from ..client import ClientRound
 from ..config import RunConfig
 from ..engine import sample_clients
 from ..errors import TrainingDiverged, UserError
-from ..methods.base import Method, Params, RoundContext
+from ..methods.base import Method, Params, RoundContext, data_weights
 from . import wire
 
 log = logging.getLogger("flwr.pflalign")
@@ -183,8 +183,7 @@ class MethodStrategy(Strategy):
                 update_norm=m["update-norm"], model_norm=m["model-norm"])))
             self.n_train[k] = int(m["n-train"])
         ids = [k for k, _ in self.results]
-        total = sum(self.n_train[k] for k in ids)
-        self.weights = [self.n_train[k] / total for k in ids]
+        self.weights = data_weights([self.n_train[k] for k in ids])
         self.global_params = self.method.aggregate(
             self.global_params, [res.message for _, res in self.results], self.weights, self.server_state,
             RoundContext(r, self.num_clients, ids))

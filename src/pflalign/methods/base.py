@@ -62,6 +62,12 @@ def zeros_like(params: Params) -> Params:
     return {n: torch.zeros_like(t) for n, t in params.items()}
 
 
+def data_weights(sizes: list[int]) -> list[float]:
+    """The aggregation weights of a round's participants: |D_k| / Σ_j |D_j|."""
+    total = sum(sizes)
+    return [n / total for n in sizes]
+
+
 def weighted_average(items: list[Params], weights: list[float]) -> Params:
     """Σ_k weights[k] · items[k], per tensor (weights are expected to sum to 1)."""
     out = {n: torch.zeros_like(t) for n, t in items[0].items()}
