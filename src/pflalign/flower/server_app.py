@@ -64,7 +64,8 @@ def run(grid: Grid, rc: dict) -> dict:
     cfg = build_config(None, json.loads((out / ckpt.CONFIG).read_text())) if resuming else wire.resolve_config(rc)
     lm = FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=getattr(torch, cfg.dtype))
     strategy = MethodStrategy(method_class(cfg.method)(method_args(cfg)), cfg, lm.get_lora(),
-                              experiment=uuid.uuid4().hex[:12], min_clients=int(rc["min-clients"]))
+                              experiment=uuid.uuid4().hex[:12], min_clients=int(rc["min-clients"]),
+                              max_update_norm=float(rc["max-update-norm"]))
     del lm  # the server only needed w^0
     start = 0
     if resuming:
@@ -119,6 +120,8 @@ def train_round(grid: Grid, strategy: MethodStrategy, r: int, timeout: float, me
     losses = [loss for _, res in results for loss in res.losses]
     seconds, mean_loss = time.perf_counter() - tic, sum(losses) / len(losses)
     extra = {"missing": sorted(strategy.missing)} if strategy.missing else {}
+    if strategy.rejected:
+        extra["rejected"] = sorted(strategy.rejected)
     metrics.write(
         event="round", round=r, seconds=seconds, clients=[k for k, _ in results], mean_loss=mean_loss,
         consistency_update_norm=sum(w * res.update_norm for w, (_, res) in zip(weights, results)),

@@ -82,6 +82,9 @@ class Method:
 
     name: ClassVar[str]
     Args: ClassVar[type] = NoArgs
+    # the groups of `client_end`'s message that hold adapter weights (the Flower server measures
+    # an update's size against w^r there; other groups, like SCAFFOLD's delta_c, as they are)
+    weight_groups: ClassVar[tuple[str, ...]] = ("params",)
 
     def __init__(self, args=None):
         self.args = args if args is not None else self.Args()
