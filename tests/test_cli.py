@@ -61,11 +61,13 @@ def test_bad_data_is_one_line_exit_2(capsys, tmp_path):
     err = _error(capsys, ["run", "--config", "flan-paper", "--data-dir", str(flan), "--set", "model=tiny-llama",
                           "--set", "data.clients=corefrence", "--out", str(tmp_path / "run")])
     assert "coreference" in err
+    assert not (tmp_path / "run").exists()  # nothing written
 
 
 def test_missing_model_file_exit_2(capsys, tmp_path):
     err = _error(capsys, ["run", "--config", "demo", "--set", f"model={tmp_path / 'm.gguf'}", "--out", str(tmp_path / "r")])
     assert "m.gguf" in err
+    assert not (tmp_path / "r").exists()
 
 
 def test_tiny_run_prints_table_and_writes_results(capsys, tmp_path):
