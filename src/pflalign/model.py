@@ -177,7 +177,8 @@ def load_base_model(spec: str, dtype: torch.dtype = torch.float32):
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if not isinstance(exc, (OSError, ValueError)):
-            first = f"damaged or truncated GGUF file ({type(exc).__name__}: {first[:120]})"
+            kind = type(exc).__name__ if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{type(exc).__name__}"
+            first = f"damaged or truncated GGUF file ({kind}: {first[:120]})"
         raise UserError(f"cannot load model {spec!r}: {first}") from exc
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
