@@ -61,11 +61,13 @@ def test_bad_data_is_one_line_exit_2(capsys, tmp_path):
     err = _error(capsys, ["run", "--config", "flan-paper", "--data-dir", str(flan), "--set", "model=tiny-llama",
                           "--set", "data.clients=corefrence", "--out", str(tmp_path / "run")])
     assert "coreference" in err
+    assert not (tmp_path / "run").exists()  # nothing written
 
 
 def test_missing_model_file_exit_2(capsys, tmp_path):
     err = _error(capsys, ["run", "--config", "demo", "--set", f"model={tmp_path / 'm.gguf'}", "--out", str(tmp_path / "r")])
     assert "m.gguf" in err
+    assert not (tmp_path / "r").exists()
 
 
 def test_tiny_run_prints_table_and_writes_results(capsys, tmp_path):
@@ -78,3 +80,84 @@ def test_tiny_run_prints_table_and_writes_results(capsys, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["model"] == "tiny-llama" and config["lora"]["r"] == 2
     assert _error(capsys, ["run", "--config", "demo", *TINY_SET, "--out", str(out)]).endswith("--overwrite to replace it")
+
+
+def _write(path, content) -> str:
+    """Write a test file (text or bytes); its path as a string."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(path)
+
+
+def _bad_input(tmp_path, case):
+    """`pflalign run` arguments of one bad input (its files written under tmp_path) and
+    the fragments the error line must hold."""
+    dolly, flan, gguf = tmp_path / "dolly.jsonl", tmp_path / "flan", tmp_path / "m.gguf"
+    good = {"instruction": "a", "context": "", "response": "b", "category": "closed_qa"}
+
+    def dolly_run(*records):
+        lines = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+        return ["--set", "data.name=dolly", "--data-dir", _write(dolly, lines), "--set", "data.clients=closed_qa"]
+
+    def without(field):
+        return {k: v for k, v in good.items() if k != field}
+
+    def flan_run(training):
+        _write(flan / "test.jsonl", "")
+        _write(flan / "local_training_0.json", json.dumps(training))
+        return ["--set", "data.name=flan", "--data-dir", str(flan), "--set", "data.clients=coreference"]
+
+    cases = {
+        "malformed-jsonl-line": (lambda: dolly_run(good, "{oops"), [f"{dolly}:2: not valid JSON"]),
+        "missing-instruction": (lambda: dolly_run(good, without("instruction")),
+                                [f"{dolly}:2: record has no field 'instruction'"]),
+        "missing-response": (lambda: dolly_run(without("response")), [f"{dolly}:1: record has no field 'response'"]),
+        "missing-output": (lambda: flan_run([{"instruction": "a", "category": "coreference"}]),
+                           [f"{flan / 'local_training_0.json'} item 0: record has no field 'output'"]),
+        "category-absent": (lambda: dolly_run({**good, "category": "summarization"}),
+                            [f"Dolly category 'closed_qa' has no examples in {dolly}"]),
+        "client-without-training-examples": (lambda: dolly_run(good),  # its one example is the test split
+                                             ["client 0 (closed_qa) has 0 training examples, fewer than batch_size=2"]),
+        "unknown-task": (lambda: ["--set", "data.clients=sortng"],
+                         ["unknown synthetic category 'sortng'", "Did you mean 'sorting'?"]),
+        "unknown-dataset": (lambda: ["--set", "data.name=dolyy"], ["unknown federation 'dolyy'", "Did you mean 'dolly'?"]),
+        "lora-rank-zero": (lambda: ["--set", "lora.r=0"], ["lora.r must be > 0, got 0"]),
+        "beta-negative": (lambda: ["--set", "method_args.beta=-0.1"], ["method pflalign: beta must be in [0, 1), got -0.1"]),
+        "batch-larger-than-data": (lambda: ["--set", "batch_size=8"],
+                                   ["client 0 (arithmetic) has 4 training examples, fewer than batch_size=8"]),
+        "model-directory-missing": (lambda: ["--set", f"model={tmp_path / 'no-model'}"],
+                                    [f"model directory not found: {tmp_path / 'no-model'}"]),
+        "gguf-truncated": (lambda: ["--set", "model=" + _write(gguf, b"GGUF\x03\x00\x00\x00\x01")],
+                           [f"cannot load model '{gguf}': damaged or truncated GGUF file"]),
+        "gguf-not-gguf": (lambda: ["--set", "model=" + _write(gguf, b"PK\x03\x04 a zip, not a model")],
+                          [f"cannot load model '{gguf}'", "not a GGUF file"]),
+        "dolly-file-missing": (lambda: ["--set", "data.name=dolly", "--data-dir", str(tmp_path / "absent.jsonl")],
+                               [f"Dolly data not found: {tmp_path / 'absent.jsonl'}"]),
+        "config-file-malformed": (lambda: ["--config", _write(tmp_path / "c.toml", "rounds = = 3\n")],
+                                  [f"{tmp_path / 'c.toml'}: cannot parse config"]),
+        "resume-with-set": (lambda: ["--resume", "--set", "lr=0.1"], ["--resume continues with the run's saved config"]),
+    }
+    make, needles = cases[case]
+    return make(), needles
+
+
+@pytest.mark.parametrize("case", [
+    "malformed-jsonl-line", "missing-instruction", "missing-response", "missing-output", "category-absent",
+    "client-without-training-examples", "unknown-task", "unknown-dataset", "lora-rank-zero", "beta-negative",
+    "batch-larger-than-data", "model-directory-missing", "gguf-truncated", "gguf-not-gguf", "dolly-file-missing",
+    "config-file-malformed", "resume-with-set",
+])
+def test_bad_input_table_one_line_exit_2_nothing_written(capsys, tmp_path, case):
+    extra, needles = _bad_input(tmp_path, case)
+    err = _error(capsys, ["run", *TINY_SET, *extra, "--out", str(tmp_path / "run")])
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_prompts_longer_than_max_seq_len_are_truncated_counted_and_reported(caplog, tmp_path):
+    out = tmp_path / "run"
+    assert main(["run", *TINY_SET, "--set", "max_seq_len=8", "--out", str(out), "--no-progress"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["truncated_train_examples"] == 8  # every one of the 2 x 4 training examples
+    assert "8 training examples exceeded max_seq_len=8 and were truncated" in caplog.messages

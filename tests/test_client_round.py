@@ -69,3 +69,43 @@ def test_sam_gradient_statistics_use_the_first_gradient_only():
     assert sam.gsnr_mean == plain.gsnr_mean and sam.gsnr_ratio == plain.gsnr_ratio
     sam2 = local_round(QuadraticLM(), METHODS["fedsam"](), {}, glob, {}, batches, 0.5, 0)
     assert math.isfinite(sam2.gsnr_ratio)
+
+
+
+class ScriptedLM(QuadraticLM):
+    """Returns the (loss, gradient) pairs it is given, one per call."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.script = iter(script)
+
+    def loss_and_grads(self, batch):
+        loss, grad = next(self.script)
+        return loss, {"w": torch.tensor(grad, dtype=torch.float64)}
+
+
+class NaNUpdate(METHODS["fedavg"]):
+    """FedAvg whose message holds a NaN that neither the loss, the gradients nor the weights show."""
+
+    def client_end(self, global_params, params, state):
+        return {"params": {n: torch.full_like(w, float("nan")) for n, w in params.items()}}
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("second_step,method,what", [
+    ((NAN, [0.0, 0.0]), "fedavg", "the loss"),
+    ((1.0, [INF, 0.0]), "fedavg", "the gradient of w"),
+    ((1.0, [1e308, 0.0]), "fedavg", "the weights w"),  # a finite gradient, a step too large: w − 10·1e308 = −inf
+    ((1.0, [0.0, 0.0]), "nan-update", "the update params/w"),
+])
+def test_non_finite_values_stop_the_round_naming_what_and_when(second_step, method, what):
+    from pflalign.errors import TrainingDiverged
+
+    glob = {"w": torch.tensor([1.0, -1.0], dtype=torch.float64)}
+    lm = ScriptedLM([(1.0, [0.1, 0.1]), second_step])
+    rule = NaNUpdate() if method == "nan-update" else METHODS[method]()
+    with pytest.raises(TrainingDiverged, match=rf"non-finite value in {what} at round 3, local step 2 \(lr=10\): "
+                                               r"try a lower learning rate$"):
+        local_round(lm, rule, {}, glob, {}, [{}, {}], 10.0, 2)

@@ -577,8 +577,10 @@ def test_dolly_garbage_is_a_user_error_or_loads(lines: list[bytes]) -> None:
         path.write_bytes(b"\n".join(lines))
         try:
             clients = load_dolly(str(path), ["closed_qa"])
-        except UserError as error:
-            assert "\n" not in str(error)
+        except UserError as error:  # one line naming the file and line, or the empty category
+            message = str(error)
+            assert "\n" not in message
+            assert re.match(rf"{re.escape(str(path))}:\d+: ", message) or "has no examples in" in message, message
         else:
             assert [client.task for client in clients] == ["closed_qa"]
 
@@ -627,7 +629,11 @@ def test_flan_garbage_is_a_user_error_or_loads(training: bytes, test_lines: list
         (root / "test.jsonl").write_bytes(b"\n".join(test_lines))
         try:
             clients = load_flan(str(root), ["closed_qa"])
-        except UserError as error:
-            assert "\n" not in str(error)
+        except UserError as error:  # one line naming the file (and line or item), or the empty category
+            message = str(error)
+            assert "\n" not in message
+            where = rf"{re.escape(str(root))}/(local_training_0\.json(:\d+| item \d+)?|test\.jsonl:\d+): "
+            category = ("FLAN category 'closed_qa' has no", "unknown FLAN category 'closed_qa'")  # absent
+            assert re.match(where, message) or message.startswith(category), message
         else:
             assert [client.task for client in clients] == ["closed_qa"]

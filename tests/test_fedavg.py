@@ -1,10 +1,12 @@
-"""FedAvg: weighted averaging, and the drift on heterogeneous quadratics that motivates the other methods."""
+"""FedAvg: weighted averaging (and its properties), and the drift on heterogeneous quadratics that motivates the other methods."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pflalign.methods import FedAvg
-from pflalign.methods.base import RoundContext, weighted_average
+from pflalign.methods import METHODS, FedAvg
+from pflalign.methods.base import Method, RoundContext, data_weights, weighted_average
 
 from toy import quadratic, simulate
 
@@ -36,3 +38,69 @@ def test_fedavg_drifts_off_the_global_optimum_with_many_local_steps():
     glob, _, _ = simulate(FedAvg(), {"w": torch.zeros(1, dtype=torch.float64)},
                           [quadratic(a[k], c[k]) for k in range(2)], [0.5, 0.5], rounds=200, steps=20, lr=0.05)
     assert abs(glob["w"].item() - optimum.item()) > 0.1
+
+
+# ---- properties of the aggregation (hypothesis) ------------------------------------------
+
+PROPERTY = settings(max_examples=60, deadline=None)
+sizes = st.lists(st.integers(1, 10_000), min_size=1, max_size=8)
+values = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def client_models(draw, min_clients=1):
+    """Several clients' adapters: the same names and shapes, random values (float64)."""
+    shapes = draw(st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=2), min_size=1, max_size=3))
+    n = draw(st.integers(min_clients, 6))
+
+    def tensor(shape):
+        count = int(torch.tensor(shape).prod())
+        return torch.tensor(draw(st.lists(values, min_size=count, max_size=count)), dtype=torch.float64).reshape(shape)
+
+    return [{f"layer{i}.lora_A": tensor(shape) for i, shape in enumerate(shapes)} for _ in range(n)]
+
+
+@PROPERTY
+@given(sizes=sizes, data=st.data())
+def test_data_weights_sum_to_one_and_follow_the_sizes(sizes, data):
+    weights = data_weights(sizes)
+    assert sum(weights) == pytest.approx(1.0, abs=1e-12)
+    assert all(0 < w <= 1 for w in weights)
+    assert all(w * sizes[0] == pytest.approx(weights[0] * n) for w, n in zip(weights, sizes))
+    order = data.draw(st.permutations(range(len(sizes))))
+    assert data_weights([sizes[i] for i in order]) == [weights[i] for i in order]
+
+
+@PROPERTY
+@given(models=client_models(min_clients=2), sizes=sizes, data=st.data())
+def test_weighted_average_does_not_depend_on_the_clients_order(models, sizes, data):
+    weights = data_weights((sizes * len(models))[: len(models)])
+    order = data.draw(st.permutations(range(len(models))))
+    a = weighted_average(models, weights)
+    b = weighted_average([models[i] for i in order], [weights[i] for i in order])
+    for n in a:
+        assert torch.allclose(a[n], b[n], rtol=1e-12, atol=1e-9)
+
+
+@PROPERTY
+@given(models=client_models(), data=st.data())
+def test_weighted_average_of_one_model_or_of_copies_is_that_model(models, data):
+    alone = weighted_average(models[:1], [1.0])
+    assert all(torch.equal(alone[n], models[0][n]) for n in alone)
+    copies = data.draw(st.integers(1, 5))
+    same = weighted_average([models[0]] * copies, data_weights(data.draw(st.lists(st.integers(1, 99), min_size=copies,
+                                                                                  max_size=copies))))
+    assert all(torch.allclose(same[n], models[0][n], rtol=1e-12, atol=1e-9) for n in same)
+
+
+AVERAGING = sorted(name for name, cls in METHODS.items() if cls.aggregate is Method.aggregate)
+
+
+@PROPERTY
+@given(models=client_models(), method=st.sampled_from(AVERAGING))
+def test_a_single_client_round_returns_its_own_model(models, method):
+    rule = METHODS[method]()
+    glob = {n: torch.zeros_like(t) for n, t in models[0].items()}
+    out = rule.aggregate(glob, [{"params": models[0]}], data_weights([7]), rule.init_server_state(glob),
+                         RoundContext(0, 1, [0]))
+    assert out.keys() == models[0].keys() and all(torch.equal(out[n], models[0][n]) for n in out)

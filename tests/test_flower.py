@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -98,6 +99,101 @@ def test_run_config_maps_to_pflalign_run_keys():
     assert wire.client_tasks(cfg) == ["arithmetic", "sorting"]
     assert wire.client_tasks(build_config(None, {"data": {"name": "flan"}})) == \
         ["coreference", "entailment", "paraphrase", "structure_to_text"]
+
+
+# ---- the server's checks on client replies (no processes) -------------------------------------
+ADAPTER = {"l0.lora_A.weight": torch.arange(8.0).reshape(2, 4) / 4, "l0.lora_B.weight": torch.zeros(4, 2),
+           "l1.lora_A.weight": -torch.arange(8.0).reshape(2, 4) / 4, "l1.lora_B.weight": torch.zeros(4, 2)}
+
+
+def _honest() -> dict:
+    """w^r plus 0.25 everywhere: an update of norm 0.25 * sqrt(32) = 1.41 (exact in float32)."""
+    return {"params": {n: t + 0.25 for n, t in ADAPTER.items()}}
+
+
+def _set(update: dict, name: str, value) -> dict:
+    update["params"][name] = value
+    return update
+
+
+BAD_UPDATES = {  # what a malicious client sends → the reason the server gives
+    "wrong shape": (lambda u: _set(u, "l0.lora_A.weight", torch.zeros(4, 2)),
+                    "params/l0.lora_A.weight has shape (4, 2), expected (2, 4)"),
+    "wrong dtype": (lambda u: _set(u, "l0.lora_B.weight", torch.zeros(4, 2, dtype=torch.float64)),
+                    "params/l0.lora_B.weight has dtype torch.float64, expected torch.float32"),
+    "NaN": (lambda u: _set(u, "l1.lora_A.weight", torch.full((2, 4), float("nan"))),
+            "params/l1.lora_A.weight holds NaN or Inf"),
+    "Inf": (lambda u: _set(u, "l1.lora_B.weight", torch.full((4, 2), float("-inf"))),
+            "params/l1.lora_B.weight holds NaN or Inf"),
+    "missing key": (lambda u: (u["params"].pop("l1.lora_B.weight"), u)[1], "group 'params': missing 'l1.lora_B.weight'"),
+    "unexpected key": (lambda u: _set(u, "l2.lora_A.weight", torch.zeros(2, 4)),
+                       "group 'params': unexpected 'l2.lora_A.weight'"),
+    "missing group": (lambda u: {}, "missing group 'params'"),
+    "unexpected group": (lambda u: {**u, "delta_c": dict(u["params"])}, "unexpected group 'delta_c'"),
+    "1e6 times too large": (lambda u: {"params": {n: ADAPTER[n] + 1e6 * (t - ADAPTER[n]) for n, t in u["params"].items()}},
+                            "update norm 1.414e+06 exceeds max-update-norm=2"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_UPDATES))
+def test_the_server_rejects_a_malformed_update_saying_why(case):
+    from pflalign.flower.validate import expected_message, validate_update
+    from pflalign.methods import METHODS
+
+    expected = expected_message(METHODS["fedavg"](), ADAPTER)
+    reference = {"params": ADAPTER}
+    assert validate_update(_honest(), expected, max_norm=2.0, reference=reference) is None
+    corrupt, reason = BAD_UPDATES[case]
+    assert validate_update(corrupt(_honest()), expected, max_norm=2.0, reference=reference) == reason
+    if case == "1e6 times too large":  # the bound is off by default
+        assert validate_update(corrupt(_honest()), expected) is None
+
+
+@pytest.mark.parametrize("method", sorted(__import__("pflalign.methods", fromlist=["METHODS"]).METHODS))
+def test_every_methods_honest_update_passes_the_checks(tiny_llama, method):
+    """A real round of the method's client rule, through the wire: accepted (bound on, generous)."""
+    from flwr.app import RecordDict
+
+    from pflalign.client import local_round
+    from pflalign.data import Example
+    from pflalign.flower import wire
+    from pflalign.flower.validate import expected_message, validate_update
+    from pflalign.methods import METHODS
+    from pflalign.prompts import collate_train, encode_train
+
+    tok, w0 = tiny_llama.tokenizer, tiny_llama.get_lora()
+    rule = METHODS[method]()
+    batch = collate_train([encode_train(tok, Example("What is 1 plus 2?", "3"), 64)] * 2, tok.pad_token_id)
+    result = local_round(tiny_llama, rule, rule.init_client_state(w0), w0, rule.broadcast(w0, rule.init_server_state(w0)),
+                         [batch, batch], 0.04, 0)
+    tiny_llama.set_lora(w0)
+    update = wire.unpack(RecordDict(wire.pack(wire.MESSAGE, result.message)), wire.MESSAGE, dtype=None)
+    assert validate_update(update, expected_message(rule, w0), max_norm=10.0,
+                           reference={group: w0 for group in rule.weight_groups}) is None
+
+
+def test_expected_updates_follow_the_method_and_bad_metrics_are_rejected():
+    from pflalign.flower.validate import expected_message, validate_eval_metrics, validate_train_metrics
+    from pflalign.methods import METHODS
+
+    shapes = {n: (tuple(t.shape), torch.float32) for n, t in ADAPTER.items()}
+    assert expected_message(METHODS["scaffold"](), ADAPTER) == {"params": shapes, "delta_c": shapes}
+    assert expected_message(METHODS["ffa-lora"](), ADAPTER) == {"params": {n: v for n, v in shapes.items() if "lora_B" in n}}
+    assert expected_message(METHODS["local"](), ADAPTER) == {}
+    assert expected_message(METHODS["pflalign"](), {n: t.bfloat16() for n, t in ADAPTER.items()}) == {"params": shapes}
+    good = {"n-train": 12, "losses": [1.5, 1.25], "update-norm": 0.1, "model-norm": 4.0, "gsnr-mean": 0.3}
+    assert validate_train_metrics(good, local_steps=2) is None
+    for bad, reason in [({"n-train": 0}, "'n-train' must be a positive integer"),
+                        ({"losses": [1.5, float("nan")]}, "'losses' must hold 2 finite numbers"),
+                        ({"losses": [1.5]}, "'losses' must hold 2 finite numbers"),
+                        ({"update-norm": None}, "'update-norm' must be a finite number"),
+                        ({"gsnr-mean": float("inf")}, "'gsnr-mean' must be a finite number")]:
+        assert reason in validate_train_metrics({**good, **bad}, local_steps=2)
+    scores = {"task": "sorting", "n-train": 12, "n-test": 3, "truncated": 0, "rouge-l-personalized": 50.0,
+              "rouge-l-global": 40.0}
+    assert validate_eval_metrics(scores) is None
+    assert "'rouge-l-global' must be a ROUGE-L score" in validate_eval_metrics({**scores, "rouge-l-global": 1e9})
+    assert "'n-test' must be a non-negative integer" in validate_eval_metrics({**scores, "n-test": -1})
 
 
 # ---- processes -----------------------------------------------------------------------------
@@ -191,8 +287,8 @@ class Cluster:
                 pass
         node.wait(timeout=60)
 
-    def flwr_run(self, run_config: dict, name: str) -> subprocess.Popen:
-        """`flwr run` of this repository's app (in the background; see `finish`)."""
+    def flwr_run(self, run_config: dict, name: str, app: Path = REPO) -> subprocess.Popen:
+        """`flwr run` of this repository's app, or of `app` (in the background; see `finish`)."""
         items = []
         for key, value in run_config.items():
             if isinstance(value, bool):
@@ -201,7 +297,7 @@ class Cluster:
                 items.append(f"{key}='{value}'")  # a TOML literal string: JSON inside is fine
             else:
                 items.append(f"{key}={value}")
-        args = [str(BIN / "flwr"), "run", str(REPO), "test", "--run-config", " ".join(items), "--stream"]
+        args = [str(BIN / "flwr"), "run", str(app), "test", "--run-config", " ".join(items), "--stream"]
         if self.simulation:
             args += ["--federation-config", "num-supernodes=2 client-resources-num-cpus=1"]
         log = open(self.root / f"{name}.log", "wb")
@@ -393,3 +489,44 @@ def test_simulation_engine_matches_in_process(tmp_path, reference):
     finally:
         cluster.close()
     cluster.check_closed()
+
+
+def test_a_malicious_client_is_rejected_and_the_honest_result_unaffected(tmp_path):
+    """Client 1 runs tests/malicious_client.py: it sends wrong shapes, a NaN, a missing tensor and
+    (with max-update-norm on) an update 1e6 times too large, one per round. The server rejects
+    each, naming the SuperNode, and the run ends as FedAvg over client 0 alone."""
+    app = tmp_path / "maliciousapp"  # a Flower app: pflalign's ServerApp, the malicious ClientApp
+    app.mkdir()
+    (app / "malicious_client.py").write_text((REPO / "tests" / "malicious_client.py").read_text())
+    pyproject = (REPO / "pyproject.toml").read_text()
+    for old, new in [('clientapp = "pflalign.flower.client_app:app"', 'clientapp = "malicious_client:app"'),
+                     ('fab-include = ["src/pflalign/**/*.py"]', 'fab-include = ["malicious_client.py"]')]:
+        assert old in pyproject
+        pyproject = pyproject.replace(old, new)
+    (app / "pyproject.toml").write_text(pyproject)
+    over = {"rounds": 4, "eval": {**TINY["eval"], "base_model": False}}
+    cluster = Cluster(tmp_path, simulation=True)
+    try:
+        cluster.start_link()
+        out, clients = tmp_path / "out", tmp_path / "clients"
+        cluster.flwr_run({"set": json.dumps({**tiny("fedavg"), **over}), "out": str(out), "client-dir": str(clients),
+                          "max-update-norm": 10.0}, "malicious", app=app)  # honest updates: about 0.07
+        output = cluster.finish("malicious")
+        assert (out / ckpt.RESULTS).exists(), output[-3000:]
+    finally:
+        cluster.close()
+    cluster.check_closed()
+    for r, reason in enumerate([r"params/\S+ has shape \(3, \d+\), expected \(4, \d+\)", r"params/\S+ holds NaN or Inf",
+                                r"group 'params': missing '\S+'", r"update norm \S+ exceeds max-update-norm=10"]):
+        assert re.search(rf"round {r + 1}: rejected the update of client 1 \(sorting\) from SuperNode \d+: {reason}",
+                         output), reason
+    rounds = [json.loads(line) for line in (out / ckpt.METRICS).read_text().splitlines()]
+    assert [(m["clients"], m["rejected"]) for m in rounds if m["event"] == "round"] == [([0], [1])] * 4
+    results = json.loads((out / ckpt.RESULTS).read_text())
+    assert results["flower"]["rounds_done"] == {"0": 4}
+    # the honest client's result is FedAvg over itself alone, as if client 1 did not exist
+    run_in_process(build_config(None, {**tiny("fedavg"), **over, "data": {**TINY["data"], "clients": ["arithmetic"]}}),
+                   tmp_path / "alone", progress=False)
+    alone = ckpt.load_checkpoint(tmp_path / "alone" / ckpt.CHECKPOINT)
+    assert_close(ckpt.load_checkpoint(out / ckpt.CHECKPOINT)["global"], alone["global"], "global adapter")
+    assert_close(personalized(clients, results, 0, 4), alone["clients"][0]["personalized"], "client 0 personalized")

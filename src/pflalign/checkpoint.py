@@ -2,18 +2,38 @@
 
 Every file goes to a temporary name in the same folder, is fsync'ed, and is
 renamed over the target: a crash leaves either the old file or the new one.
+
+A run's checkpoint is kept twice: ``checkpoint.pt`` (the newest) and
+``checkpoint.prev.pt`` (the one before), with ``checkpoint.json``, a manifest
+holding each one's sha256, size and rounds done. The manifest entry of a new
+checkpoint is written before the checkpoint gets its final name, and entries
+are matched by checksum, not by file name, so a crash between any two steps
+leaves a checkpoint that the manifest vouches for. At resume a checkpoint that
+is truncated, corrupt or unknown to the manifest is skipped with a warning and
+the other one is used; if neither is good the run cannot be resumed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
 import os
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 
+from .errors import UserError
+
+log = logging.getLogger(__name__)
+
 CHECKPOINT = "checkpoint.pt"
+PREVIOUS = "checkpoint.prev.pt"
+MANIFEST = "checkpoint.json"
 CONFIG = "config.json"
 METRICS = "metrics.jsonl"
 RESULTS = "results.json"
@@ -51,6 +71,150 @@ def load_checkpoint(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+# ---- the run checkpoint: two generations and a manifest -----------------------------
+_deferring = False
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Hold a Ctrl-C (SIGINT) until the block is done, then raise it: what the block
+    writes is never left half-done by an interrupt. Re-entrant; a no-op off the main thread."""
+    global _deferring
+    if _deferring or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    _deferring = True
+    try:
+        yield
+    finally:
+        _deferring = False
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def _digest(path: Path) -> tuple[str, int]:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest(), path.stat().st_size
+
+
+def _read_manifest(out: Path) -> list[dict] | None:
+    try:
+        entries = json.loads((out / MANIFEST).read_text())["checkpoints"]
+        return [e for e in entries if isinstance(e, dict) and {"sha256", "size", "rounds_done"} <= e.keys()]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("%s cannot be read (%s); checkpoints are loaded unverified", out / MANIFEST, exc)
+        return None
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(out: Path) -> None:
+    """Temporary files a killed process left behind (never read: only renamed files count)."""
+    for tmp in out.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def _newest_good(out: Path) -> tuple[str, dict] | None:
+    """The newest checkpoint file the manifest vouches for, with its entry (without a
+    manifest, from an older pflalign: checkpoint.pt as it is)."""
+    manifest = _read_manifest(out)
+    for name in (CHECKPOINT, PREVIOUS):
+        if (out / name).exists():
+            sha256, size = _digest(out / name)
+            if manifest is None:
+                return name, {"sha256": sha256, "size": size, "rounds_done": None}
+            entry = next((e for e in manifest if (e["sha256"], e["size"]) == (sha256, size)), None)
+            if entry is not None:
+                return name, entry
+    return None
+
+
+def save_run_checkpoint(out: Path, payload: dict) -> None:
+    """Write `payload` (with its ``rounds_done``) as the run's newest checkpoint; the
+    newest good one before it becomes checkpoint.prev.pt, anything else is deleted
+    first: at most two checkpoints on disk, also while writing."""
+    with sigint_deferred():
+        remove_stale_temporaries(out)
+        keep = _newest_good(out)
+        for name in (CHECKPOINT, PREVIOUS):
+            if keep is None or name != keep[0]:
+                (out / name).unlink(missing_ok=True)
+        fd, name = tempfile.mkstemp(dir=out, prefix=f".{CHECKPOINT}.", suffix=".tmp")
+        tmp = Path(name)
+        try:
+            os.fchmod(fd, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                torch.save(payload, f)
+                f.flush()
+                os.fsync(f.fileno())
+            sha256, size = _digest(tmp)
+            entries = [{"file": CHECKPOINT, "sha256": sha256, "size": size, "rounds_done": payload["rounds_done"]}]
+            if keep is not None:
+                entries.append({**keep[1], "file": PREVIOUS})
+            write_json(out / MANIFEST, {"checkpoints": entries})  # first: it vouches for the new file
+            if keep is not None and keep[0] != PREVIOUS:
+                os.replace(out / keep[0], out / PREVIOUS)
+            os.replace(tmp, out / CHECKPOINT)
+            _fsync_dir(out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+def has_run_checkpoint(out: Path) -> bool:
+    return (out / CHECKPOINT).exists() or (out / PREVIOUS).exists()
+
+
+def remove_run_checkpoints(out: Path) -> None:
+    for name in (CHECKPOINT, PREVIOUS, MANIFEST):
+        (out / name).unlink(missing_ok=True)
+    remove_stale_temporaries(out)
+
+
+def load_run_checkpoint(out: Path) -> dict:
+    """The newest good checkpoint of the run in `out`: its checksum matches the manifest
+    (when there is one) and it loads. Falling back to the previous one is said in a
+    warning; with no good one left, a `UserError`."""
+    manifest = _read_manifest(out)
+    problems = []
+    for name in (CHECKPOINT, PREVIOUS):
+        path = out / name
+        if not path.exists():
+            if name == CHECKPOINT:
+                problems.append(f"{name} is missing")
+            continue
+        if manifest is not None:
+            sha256, size = _digest(path)
+            entry = next((e for e in manifest if e["sha256"] == sha256 and e["size"] == size), None)
+            if entry is None:
+                problems.append(f"{name} does not match its checksum in {MANIFEST} (truncated or corrupt)")
+                continue
+        try:
+            payload = load_checkpoint(path)
+            rounds_done = payload["rounds_done"]
+        except Exception as exc:  # anything torch.load raises on a damaged file
+            problems.append(f"{name} cannot be read ({type(exc).__name__})")
+            continue
+        if problems:
+            log.warning("%s: %s; resuming from %s (after round %d)", out, "; ".join(problems), name, rounds_done)
+        return payload
+    raise UserError(f"no usable checkpoint in {out}: {'; '.join(problems)}; start again with --overwrite")
+
+
 class MetricsLog:
     """Append-only `metrics.jsonl`. The byte offset after each finished round
     is stored in the checkpoint, so a resumed run first cuts away the lines of
@@ -59,6 +223,10 @@ class MetricsLog:
     def __init__(self, path: Path, resume_offset: int | None = None):
         self.path = path
         if resume_offset is not None and path.exists():
+            size = path.stat().st_size
+            if size < resume_offset:
+                raise UserError(f"{path} has {size} bytes, fewer than the {resume_offset} its checkpoint "
+                                "records: the run directory was changed; start again with --overwrite")
             with open(path, "r+b") as f:
                 f.truncate(resume_offset)
         self._file = open(path, "ab")
@@ -71,6 +239,12 @@ class MetricsLog:
         self._file.flush()
         os.fsync(self._file.fileno())
         return self._file.tell()
+
+    def rollback(self, offset: int) -> None:
+        """Drop everything after `offset` (the lines of a round that will not finish)."""
+        self._file.flush()
+        self._file.truncate(offset)
+        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         self._file.close()

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import UserError
+from .errors import RunInterrupted, UserError
 
 
 def _print_table(results: dict) -> None:
@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"pflalign: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("pflalign: interrupted; the last finished round is checkpointed: rerun with --resume", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # a run says where it stopped and how to resume
+        print(f"pflalign: {exc}" if isinstance(exc, RunInterrupted) else "pflalign: interrupted", file=sys.stderr)
         return 130
 
 

@@ -84,15 +84,17 @@ class ClientRound:
     model_norm: float  # ‖w_{k,T}‖
 
 
-def _check_finite(loss: float, params: Params, round_index: int, step: int, lr: float) -> None:
-    bad = None if math.isfinite(loss) else "the loss"
-    if bad is None:
-        bad = next((n for n, p in params.items() if not torch.isfinite(p).all()), None)
-    if bad is not None:
-        raise TrainingDiverged(
-            f"non-finite value in {bad} at round {round_index + 1}, local step {step + 1} (lr={lr:g}); "
-            "the last finished round is checkpointed: try a lower learning rate"
-        )
+def _non_finite(params: Params) -> str | None:
+    """The name of the first tensor holding a NaN or Inf, if any."""
+    return next((n for n, p in params.items() if not torch.isfinite(p).all()), None)
+
+
+def _diverged(what: str, round_index: int, step: int, lr: float) -> TrainingDiverged:
+    """`what` (the loss, a gradient, a weight, the update) holds a NaN or Inf: the round stops."""
+    return TrainingDiverged(
+        f"non-finite value in {what} at round {round_index + 1}, local step {step + 1} (lr={lr:g}): "
+        "try a lower learning rate"
+    )
 
 
 def local_round(
@@ -112,8 +114,12 @@ def local_round(
     for t, batch in enumerate(batches):
         first_call = [True]
 
-        def grad_fn(batch=batch, first_call=first_call):
+        def grad_fn(batch=batch, first_call=first_call, t=t):
             loss, grads = lm.loss_and_grads(batch)
+            if not math.isfinite(loss):
+                raise _diverged("the loss", round_index, t, lr)
+            if bad := _non_finite(grads):
+                raise _diverged(f"the gradient of {bad}", round_index, t, lr)
             if first_call[0]:  # the minibatch gradient at w_{k,t} (SAM's second call is not)
                 stats.add(grads)
                 first_call[0] = False
@@ -121,13 +127,17 @@ def local_round(
 
         ctx = StepContext(round=round_index, step=t, num_steps=len(batches), lr=lr, global_params=global_params)
         loss = method.local_step(lm.lora, grad_fn, state, ctx)
-        _check_finite(loss, lm.lora, round_index, t, lr)
+        if bad := _non_finite(lm.lora):
+            raise _diverged(f"the weights {bad}", round_index, t, lr)
         losses.append(loss)
         if on_step is not None:
             on_step(t, loss)
     local = {n: p.detach() for n, p in lm.lora.items()}
     update_norm, model_norm = distance(local, global_params), distance(local)
     message = method.client_end(global_params, lm.lora, state)
+    for group, params in message.items():
+        if bad := _non_finite(params):
+            raise _diverged(f"the update {group}/{bad}", round_index, len(batches) - 1, lr)
     personalized = method.personalized(global_params, lm.lora, state)
     gsnr_mean, gsnr_ratio = stats.summary()
     return ClientRound(message, personalized, losses, gsnr_mean, gsnr_ratio, update_norm, model_norm)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +26,10 @@ from .config import RunConfig, build_config, method_args, to_dict
 from .client import local_round
 from .data import ClientData
 from .data.load import load_federation
-from .errors import TrainingDiverged, UserError
+from .errors import RunInterrupted, TrainingDiverged, UserError
 from .evaluate import generate, rouge_l
 from .methods import method_class
-from .methods.base import Method, Params, RoundContext, State
+from .methods.base import Method, Params, RoundContext, State, data_weights
 from .model import FederatedLM
 from .prompts import Encoded, batch_indices, collate_train, encode_prompt, encode_train
 
@@ -121,10 +122,11 @@ def resolve_device(name: str) -> str:
 def prepare_run_dir(out: Path, resume: bool, overwrite: bool) -> bool:
     """Check what is in `out`; returns True when a checkpoint should be resumed."""
     finished = (out / ckpt.RESULTS).exists()
-    started = (out / ckpt.CHECKPOINT).exists()
+    started = ckpt.has_run_checkpoint(out)
     if overwrite:
-        for name in (ckpt.RESULTS, ckpt.CHECKPOINT, ckpt.METRICS, ckpt.PREDICTIONS, ckpt.CONFIG):
+        for name in (ckpt.RESULTS, ckpt.METRICS, ckpt.PREDICTIONS, ckpt.CONFIG):
             (out / name).unlink(missing_ok=True)
+        ckpt.remove_run_checkpoints(out)
         return False
     if finished:
         raise UserError(f"{out} holds a finished run; pass --overwrite to replace it")
@@ -154,6 +156,8 @@ class Federation:
         self.server_state = self.method.init_server_state(self.global_params)
         self.clients = []
         self.truncated = 0
+        self.saved = (0, 0)  # (rounds done, metrics offset) of the newest checkpoint on disk
+        self.in_round: int | None = None  # the round being trained, for an interrupt's message
         for k, data in enumerate(datasets):
             client = make_client(k, data, self.lm.tokenizer, cfg, self.method.init_client_state(self.global_params))
             self.truncated += sum(e.truncated for e in client.train)
@@ -188,6 +192,7 @@ class Federation:
         rounds_bar = tqdm(range(start_round, end), initial=start_round, total=cfg.rounds, desc="rounds",
                           disable=not self.progress, unit="round")
         for r in rounds_bar:
+            self.in_round = r
             tic = time.perf_counter()
             chosen = sample_clients(len(self.clients), cfg.participation, cfg.seed, r)
             bar = tqdm(total=len(chosen) * cfg.local_steps, desc=f"round {r + 1} local steps", leave=False,
@@ -198,8 +203,7 @@ class Federation:
                 bar.set_postfix(client=self.clients[k].data.task)
                 results.append(self.train_client(self.clients[k], r, received, metrics, bar))
             bar.close()
-            total = sum(self.clients[k].n_train for k in chosen)
-            weights = [self.clients[k].n_train / total for k in chosen]
+            weights = data_weights([self.clients[k].n_train for k in chosen])
             ctx = RoundContext(r, len(self.clients), chosen)
             self.global_params = self.method.aggregate(
                 self.global_params, [res.message for res in results], weights, self.server_state, ctx)
@@ -214,16 +218,20 @@ class Federation:
             )
             if cfg.eval.every and (r + 1) % cfg.eval.every == 0:
                 self.round_eval(r, metrics)
-            self.save(out, r + 1, metrics.commit())
+            with ckpt.sigint_deferred():  # a Ctrl-C waits until the checkpoint and `saved` agree
+                offset = metrics.commit()
+                self.save(out, r + 1, offset)
+                self.saved = (r + 1, offset)
             rounds_bar.set_postfix(loss=f"{mean_loss:.3f}")
             if not self.progress:
                 log.info("round %d/%d: mean loss %.4f (%.1f s)", r + 1, cfg.rounds, mean_loss, seconds)
         rounds_bar.close()
+        self.in_round = None
         return end
 
     # ---- checkpoint ---------------------------------------------------------
     def save(self, out: Path, rounds_done: int, metrics_offset: int) -> None:
-        ckpt.save_checkpoint(out / ckpt.CHECKPOINT, {
+        ckpt.save_run_checkpoint(out, {
             "rounds_done": rounds_done,
             "global": self.global_params,
             "server_state": self.server_state,
@@ -245,6 +253,7 @@ class Federation:
             client.personalized = saved["personalized"]
             client.steps_taken = saved["steps_taken"]
         torch.set_rng_state(payload["torch_rng"])
+        self.saved = (payload["rounds_done"], payload["metrics_offset"])
         return payload["rounds_done"]
 
     # ---- evaluation ---------------------------------------------------------
@@ -304,7 +313,7 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
     out = Path(out)
     resuming = prepare_run_dir(out, resume, overwrite)
     if resuming:
-        saved = ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
+        saved = ckpt.load_run_checkpoint(out)
         cfg = _saved_config(out)
     fed = Federation(cfg, progress=progress)
     start = 0
@@ -328,11 +337,31 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         results["seconds_eval"] = time.perf_counter() - tic
         metrics.write(event="eval", **{k: v for k, v in results.items() if k.startswith("avg_")})
         metrics.commit()
+    except KeyboardInterrupt:
+        raise _interrupted(out, fed, metrics) from None
+    except TrainingDiverged as exc:
+        metrics.rollback(fed.saved[1])  # the diverged round leaves no lines
+        kept = f"; the checkpoint after round {fed.saved[0]} is kept" if fed.saved[0] else ""
+        raise TrainingDiverged(f"{exc}{kept}") from None
     finally:
         metrics.close()
     ckpt.write_jsonl(out / ckpt.PREDICTIONS, predictions)
     ckpt.write_json(out / ckpt.RESULTS, results)  # last: its presence means "finished"
     return results
+
+
+def _interrupted(out: Path, fed: Federation, metrics: ckpt.MetricsLog) -> RunInterrupted:
+    """Ctrl-C: drop the unfinished round's metrics lines, so the directory is exactly as
+    after the last checkpoint, and say how to continue."""
+    rounds, offset = fed.saved
+    metrics.rollback(offset)
+    where = (f"during round {fed.in_round + 1} of {fed.cfg.rounds}" if fed.in_round is not None
+             else "during the final evaluation")
+    if rounds == 0:
+        return RunInterrupted(f"interrupted {where}, before any round finished; nothing to resume: "
+                              "run the same command again")
+    return RunInterrupted(f"interrupted {where}; the last finished round ({rounds}) is saved; resume with: "
+                          f"pflalign run --out {shlex.quote(str(out))} --resume")
 
 
 def _saved_config(out: Path) -> RunConfig:

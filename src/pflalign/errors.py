@@ -10,4 +10,8 @@ class UserError(Exception):
 
 
 class TrainingDiverged(UserError):
-    """A NaN or Inf appeared in a loss or in the weights: usually a too large learning rate."""
+    """A NaN or Inf appeared in a loss, a gradient, the weights or an update: usually a too large learning rate."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, caught once the run directory is consistent; the message says how to resume."""

@@ -167,12 +167,19 @@ def load_base_model(spec: str, dtype: torch.dtype = torch.float32):
         else:
             if path.exists() and not path.is_dir():
                 raise UserError(f"--model {spec}: expected a .gguf file, a model directory or a hub id")
+            if not path.exists() and (path.is_absolute() or spec.startswith((".", "~"))):
+                raise UserError(f"model directory not found: {spec}")
             tok = AutoTokenizer.from_pretrained(spec)
             model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
     except UserError:
         raise
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # a damaged .gguf fails anywhere in its parser (struct.error, OverflowError, ...)
+        if not isinstance(exc, (OSError, ValueError)) and not spec.endswith(".gguf"):
+            raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not isinstance(exc, (OSError, ValueError)):
+            kind = type(exc).__name__ if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{type(exc).__name__}"
+            first = f"damaged or truncated GGUF file ({kind}: {first[:120]})"
         raise UserError(f"cannot load model {spec!r}: {first}") from exc
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

@@ -74,7 +74,7 @@ class PlannedRun:
         """'finished', 'unfinished' (a checkpoint to resume) or 'new'."""
         if (self.out / ckpt.RESULTS).exists():
             return "finished"
-        if (self.out / ckpt.CHECKPOINT).exists():
+        if ckpt.has_run_checkpoint(self.out):
             return "unfinished"
         return "new"
 

@@ -64,11 +64,12 @@ def run(grid: Grid, rc: dict) -> dict:
     cfg = build_config(None, json.loads((out / ckpt.CONFIG).read_text())) if resuming else wire.resolve_config(rc)
     lm = FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=getattr(torch, cfg.dtype))
     strategy = MethodStrategy(method_class(cfg.method)(method_args(cfg)), cfg, lm.get_lora(),
-                              experiment=uuid.uuid4().hex[:12], min_clients=int(rc["min-clients"]))
+                              experiment=uuid.uuid4().hex[:12], min_clients=int(rc["min-clients"]),
+                              max_update_norm=float(rc["max-update-norm"]))
     del lm  # the server only needed w^0
     start = 0
     if resuming:
-        saved = ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
+        saved = ckpt.load_run_checkpoint(out)
         strategy.global_params, strategy.server_state = saved["global"], saved["server_state"]
         strategy.experiment, strategy.rounds_done = saved["flower"]["experiment"], saved["flower"]["rounds_done"]
         start = saved["rounds_done"]
@@ -119,6 +120,8 @@ def train_round(grid: Grid, strategy: MethodStrategy, r: int, timeout: float, me
     losses = [loss for _, res in results for loss in res.losses]
     seconds, mean_loss = time.perf_counter() - tic, sum(losses) / len(losses)
     extra = {"missing": sorted(strategy.missing)} if strategy.missing else {}
+    if strategy.rejected:
+        extra["rejected"] = sorted(strategy.rejected)
     metrics.write(
         event="round", round=r, seconds=seconds, clients=[k for k, _ in results], mean_loss=mean_loss,
         consistency_update_norm=sum(w * res.update_norm for w, (_, res) in zip(weights, results)),
@@ -160,7 +163,7 @@ def evaluate(grid: Grid, strategy: MethodStrategy, timeout: float) -> dict:
 
 
 def save(out: Path, strategy: MethodStrategy, rounds_done: int, metrics_offset: int) -> None:
-    ckpt.save_checkpoint(out / ckpt.CHECKPOINT, {
+    ckpt.save_run_checkpoint(out, {
         "rounds_done": rounds_done,
         "global": strategy.global_params,
         "server_state": strategy.server_state,

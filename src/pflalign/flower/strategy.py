@@ -12,7 +12,10 @@ message).
   weights |D_k| / Σ_j |D_j| over the clients that replied and a
   `RoundContext`. A client that did not reply (node gone, error, timeout) is
   logged by name and left out, as long as at least ``min-clients`` replied
-  (0: all sampled clients); otherwise `RoundFailed`.
+  (0: all sampled clients); otherwise `RoundFailed`. A reply whose update
+  fails the checks of `validate` (names, shapes, dtypes, finite values, the
+  ``max-update-norm`` bound) is rejected, logged with its SuperNode id and
+  left out too; clients are not trusted.
 * `configure_evaluate` / `aggregate_evaluate`: every connected client scores
   its personalized model, the global model (and the base model).
 
@@ -34,8 +37,8 @@ from ..client import ClientRound
 from ..config import RunConfig
 from ..engine import sample_clients
 from ..errors import TrainingDiverged, UserError
-from ..methods.base import Method, Params, RoundContext
-from . import wire
+from ..methods.base import Method, Params, RoundContext, data_weights
+from . import validate, wire
 
 log = logging.getLogger("flwr.pflalign")
 
@@ -46,7 +49,7 @@ class RoundFailed(UserError):
 
 class MethodStrategy(Strategy):
     def __init__(self, method: Method, cfg: RunConfig, global_params: Params, experiment: str,
-                 min_clients: int = 0, query_timeout: float = 120.0):
+                 min_clients: int = 0, query_timeout: float = 120.0, max_update_norm: float = 0.0):
         self.method, self.cfg, self.experiment = method, cfg, experiment
         self.global_params = global_params
         self.server_state = method.init_server_state(global_params)
@@ -54,6 +57,8 @@ class MethodStrategy(Strategy):
         self.tasks = wire.client_tasks(cfg)
         self.min_clients = min_clients
         self.query_timeout = query_timeout
+        self.expected = validate.expected_message(method, global_params)  # what a client's update must look like
+        self.max_update_norm = max_update_norm  # 0: no bound
         self.rounds_done: dict[int, int] = {}  # client → rounds it finished (saved in the checkpoint)
         self.nodes: dict[int, int] = {}  # client (partition-id) → SuperNode id
         self.strangers: set[int] = set()  # SuperNodes that did not answer the query (not asked again)
@@ -64,6 +69,7 @@ class MethodStrategy(Strategy):
         self.bytes_down = self.bytes_up = 0  # the last round's tensor payload, to and from the clients
         self.results: list[tuple[int, ClientRound]] = []  # the last round's replies, in client order
         self.missing: dict[int, str] = {}  # the last round's (or evaluation's) absent clients → why
+        self.rejected: dict[int, str] = {}  # the last round's (or evaluation's) invalid replies → why
         self.scores: dict[int, dict] = {}  # the evaluation's replies
 
     @property
@@ -173,18 +179,24 @@ class MethodStrategy(Strategy):
                 f"round {server_round}: {len(got)} of {len(self.chosen)} clients replied, fewer than "
                 f"min-clients={self.min_clients or 'all'}; missing: "
                 + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(self.missing.items())))
-        self.results = []
+        self.results, self.rejected = [], {}
         for k in sorted(got):
-            content = got[k].content
-            m = content["metrics"]
+            try:
+                message, m = self._accept(got[k].content)
+            except validate.InvalidUpdate as exc:  # untrusted input: left out, the round goes on
+                self.rejected[k] = str(exc)
+                log.warning("round %d: rejected the update of %s from SuperNode %d: %s", server_round,
+                            self.name(k), got[k].metadata.src_node_id, exc)
+                continue
             self.results.append((k, ClientRound(
-                message=wire.unpack(content, wire.MESSAGE, self.dtype), personalized=None,
-                losses=list(m["losses"]), gsnr_mean=m.get("gsnr-mean"), gsnr_ratio=m.get("gsnr-ratio"),
-                update_norm=m["update-norm"], model_norm=m["model-norm"])))
-            self.n_train[k] = int(m["n-train"])
+                message=message, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr-mean"),
+                gsnr_ratio=m.get("gsnr-ratio"), update_norm=m["update-norm"], model_norm=m["model-norm"])))
+            self.n_train[k] = m["n-train"]
+        if not self.results:
+            raise RoundFailed(f"round {server_round}: no valid update to aggregate; rejected: "
+                              + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(self.rejected.items())))
         ids = [k for k, _ in self.results]
-        total = sum(self.n_train[k] for k in ids)
-        self.weights = [self.n_train[k] / total for k in ids]
+        self.weights = data_weights([self.n_train[k] for k in ids])
         self.global_params = self.method.aggregate(
             self.global_params, [res.message for _, res in self.results], self.weights, self.server_state,
             RoundContext(r, self.num_clients, ids))
@@ -192,6 +204,20 @@ class MethodStrategy(Strategy):
             self.rounds_done[k] = self.rounds_done.get(k, 0) + 1
         mean_loss = sum(l for _, res in self.results for l in res.losses) / sum(len(res.losses) for _, res in self.results)
         return wire.to_record(self.global_params), MetricRecord({"mean-loss": mean_loss})
+
+    def _accept(self, content: RecordDict) -> tuple[dict[str, Params], dict]:
+        """A training reply's update (cast to the adapter's dtype) and metrics, once they pass
+        `validate`; else `validate.InvalidUpdate` saying why."""
+        try:
+            update = wire.unpack(content, wire.MESSAGE, dtype=None)
+            metrics = dict(content.metric_records["metrics"])
+        except Exception as exc:  # whatever a malformed record raises while it is decoded
+            raise validate.InvalidUpdate(f"cannot decode the reply ({type(exc).__name__}: {exc})") from None
+        reason = validate.validate_train_metrics(metrics, self.cfg.local_steps) or validate.validate_update(
+            update, self.expected, self.max_update_norm, {g: self.global_params for g in self.method.weight_groups})
+        if reason:
+            raise validate.InvalidUpdate(reason)
+        return {g: {n: t.to(self.dtype) for n, t in ts.items()} for g, ts in update.items()}, metrics
 
     # ---- evaluation -----------------------------------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -207,10 +233,20 @@ class MethodStrategy(Strategy):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord:
         got, missing = self._match(replies)
         self.missing.update(missing)
+        self.scores = {}
+        for k in sorted(got):
+            try:
+                scores = {**dict(got[k].content.metric_records["metrics"]),
+                          "task": got[k].content.config_records["info"]["task"]}
+            except Exception as exc:  # a malformed reply: that client is left out
+                scores = {"error": f"cannot decode the reply ({type(exc).__name__}: {exc})"}
+            reason = scores.get("error") or validate.validate_eval_metrics(scores)
+            if reason:
+                self.missing[k] = f"evaluation rejected: {reason} (SuperNode {got[k].metadata.src_node_id})"
+            else:
+                self.scores[k] = scores
         for k in sorted(self.missing):
             log.warning("evaluation: %s is missing: %s", self.name(k), self.missing[k])
-        self.scores = {k: {**dict(got[k].content["metrics"]), "task": str(got[k].content["info"]["task"])}
-                       for k in sorted(got)}
         out = {}
         for key in ("rouge-l-personalized", "rouge-l-global"):
             values = [s[key] for s in self.scores.values()]

@@ -47,6 +47,7 @@ RUN_DEFAULTS = {
     "round-timeout": 3600,  # seconds to wait for a round's replies
     "connect-timeout": 600,  # seconds to wait at the start for one SuperNode per client
     "client-dir": "",  # where clients keep their state when the node config has no state-dir
+    "max-update-norm": 0.0,  # reject a client update whose norm exceeds this (see validate.py); 0: no bound
 }
 
 
@@ -57,7 +58,8 @@ def to_record(params: Params) -> ArrayRecord:
     return ArrayRecord({n: (t.float() if t.dtype == torch.bfloat16 else t).detach().cpu() for n, t in params.items()})
 
 
-def from_record(record: ArrayRecord, dtype: torch.dtype, device="cpu") -> Params:
+def from_record(record: ArrayRecord, dtype: torch.dtype | None, device="cpu") -> Params:
+    """The tensors of `record` (cast to `dtype`; None: as they arrived)."""
     return {n: t.to(device=device, dtype=dtype) for n, t in record.to_torch_state_dict().items()}
 
 
@@ -66,7 +68,7 @@ def pack(prefix: str, groups: dict[str, Params]) -> dict[str, ArrayRecord]:
     return {prefix + name: to_record(params) for name, params in groups.items()}
 
 
-def unpack(content: RecordDict, prefix: str, dtype: torch.dtype, device="cpu") -> dict[str, Params]:
+def unpack(content: RecordDict, prefix: str, dtype: torch.dtype | None, device="cpu") -> dict[str, Params]:
     return {key[len(prefix):]: from_record(rec, dtype, device)
             for key, rec in content.array_records.items() if key.startswith(prefix)}
 

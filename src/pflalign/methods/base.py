@@ -62,6 +62,12 @@ def zeros_like(params: Params) -> Params:
     return {n: torch.zeros_like(t) for n, t in params.items()}
 
 
+def data_weights(sizes: list[int]) -> list[float]:
+    """The aggregation weights of a round's participants: |D_k| / Σ_j |D_j|."""
+    total = sum(sizes)
+    return [n / total for n in sizes]
+
+
 def weighted_average(items: list[Params], weights: list[float]) -> Params:
     """Σ_k weights[k] · items[k], per tensor (weights are expected to sum to 1)."""
     out = {n: torch.zeros_like(t) for n, t in items[0].items()}
@@ -76,6 +82,9 @@ class Method:
 
     name: ClassVar[str]
     Args: ClassVar[type] = NoArgs
+    # the groups of `client_end`'s message that hold adapter weights (the Flower server measures
+    # an update's size against w^r there; other groups, like SCAFFOLD's delta_c, as they are)
+    weight_groups: ClassVar[tuple[str, ...]] = ("params",)
 
     def __init__(self, args=None):
         self.args = args if args is not None else self.Args()

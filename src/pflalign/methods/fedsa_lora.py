@@ -57,6 +57,7 @@ class FedSALoRAArgs:
 class FedSALoRA(Method):
     name = "fedsa-lora"
     Args = FedSALoRAArgs
+    weight_groups = ("shared", "eval_B")
 
     def init_client_state(self, global_params: Params) -> State:
         return {"B": {n: w.clone() for n, w in global_params.items() if is_lora_b(n)}}

@@ -1,0 +1,129 @@
+"""The server's checks on a client's reply before it is aggregated: clients are not trusted.
+
+A training reply is accepted only if its update (the method's message: one
+ArrayRecord per group, ``message/<group>``) has exactly the groups, tensor
+names, shapes and dtypes that the method's client rule produces
+(`expected_message`), every value is finite, its norm is within
+``max-update-norm`` when that bound is set, and its metrics are well formed.
+Otherwise `MethodStrategy` rejects it, logs why with the client's SuperNode
+id, and aggregates the round over the other clients (docs/distributed.md).
+
+The update norm is measured as ‖message − w^r‖ over the groups of
+``Method.weight_groups`` (the ones that carry adapter weights, e.g.
+``params``) and as the norm of the tensors themselves for the other groups
+(SCAFFOLD's ``delta_c``), all tensors together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..methods.base import Message, Method, Params
+
+# group → tensor name → (shape, dtype on the wire)
+Expected = dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
+
+
+class InvalidUpdate(Exception):
+    """A client's reply that the server does not aggregate; the message says why."""
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """bfloat16 travels as float32 (see `wire`); everything else as it is."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+def expected_message(method: Method, global_params: Params) -> Expected:
+    """The structure of `method`'s client message: what a fresh client sends after a round
+    from `global_params` (its client rule run without local steps; values are ignored)."""
+    state = method.init_client_state(global_params)
+    received = method.broadcast(global_params, method.init_server_state(global_params))
+    with torch.no_grad():
+        params = method.client_start(global_params, state, received)
+        message = method.client_end(global_params, params, state)
+    return {group: {n: (tuple(t.shape), wire_dtype(t.dtype)) for n, t in tensors.items()}
+            for group, tensors in message.items()}
+
+
+def _names(names, limit: int = 3) -> str:
+    names = sorted(names)
+    return ", ".join(repr(n) for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def validate_update(update: Message, expected: Expected, max_norm: float = 0.0,
+                    reference: dict[str, Params] | None = None) -> str | None:
+    """Why `update` (group → tensors, as received) must be rejected, or None when it is fine.
+
+    `max_norm` > 0 bounds ‖update − reference‖ over all tensors together, where
+    `reference` maps a group to the tensors it is measured against (w^r for
+    groups of adapter weights); a group without one is measured against zero.
+    """
+    if update.keys() != expected.keys():
+        missing, extra = expected.keys() - update.keys(), update.keys() - expected.keys()
+        return "; ".join(filter(None, [missing and f"missing group {_names(missing)}",
+                                       extra and f"unexpected group {_names(extra)}"]))
+    for group, want in expected.items():
+        got = update[group]
+        if got.keys() != want.keys():
+            missing, extra = want.keys() - got.keys(), got.keys() - want.keys()
+            return f"group {group!r}: " + "; ".join(filter(None, [missing and f"missing {_names(missing)}",
+                                                                  extra and f"unexpected {_names(extra)}"]))
+        for name, (shape, dtype) in want.items():
+            t = got[name]
+            if not isinstance(t, torch.Tensor):
+                return f"{group}/{name} is not a tensor"
+            if tuple(t.shape) != shape:
+                return f"{group}/{name} has shape {tuple(t.shape)}, expected {shape}"
+            if t.dtype != dtype:
+                return f"{group}/{name} has dtype {t.dtype}, expected {dtype}"
+            if not torch.isfinite(t).all():
+                return f"{group}/{name} holds NaN or Inf"
+    if max_norm > 0:
+        reference = reference or {}
+        total = 0.0
+        for group, tensors in update.items():
+            for name, t in tensors.items():
+                d = t.double() - reference[group][name].double() if group in reference else t.double()
+                total += float((d * d).sum())
+        norm = math.sqrt(total)
+        if not norm <= max_norm:
+            return f"update norm {norm:.4g} exceeds max-update-norm={max_norm:g}"
+    return None
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def validate_eval_metrics(scores) -> str | None:
+    """Why an evaluation reply must be left out (what the server reads of it), or None."""
+    if not isinstance(scores.get("task"), str):
+        return "no task name"
+    for key in ("n-train", "n-test", "truncated"):
+        value = scores.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return f"metric {key!r} must be a non-negative integer, got {value!r}"
+    for key in ["rouge-l-personalized", "rouge-l-global"] + (["rouge-l-base"] if "rouge-l-base" in scores else []):
+        value = scores.get(key)
+        if not (_finite_number(value) and 0 <= value <= 100):
+            return f"metric {key!r} must be a ROUGE-L score in [0, 100], got {value!r}"
+    return None
+
+
+def validate_train_metrics(metrics, local_steps: int) -> str | None:
+    """Why a training reply's metrics must be rejected (what the server reads of them), or None."""
+    n_train = metrics.get("n-train")
+    if not isinstance(n_train, int) or isinstance(n_train, bool) or n_train < 1:
+        return f"metric 'n-train' must be a positive integer, got {n_train!r}"
+    losses = metrics.get("losses")
+    if not isinstance(losses, list) or len(losses) != local_steps or not all(map(_finite_number, losses)):
+        return f"metric 'losses' must hold {local_steps} finite numbers (one per local step)"
+    for key in ("update-norm", "model-norm"):
+        if not _finite_number(metrics.get(key)):
+            return f"metric {key!r} must be a finite number, got {metrics.get(key)!r}"
+    for key in ("gsnr-mean", "gsnr-ratio"):
+        if key in metrics and not _finite_number(metrics[key]):
+            return f"metric {key!r} must be a finite number, got {metrics[key]!r}"
+    return None

@@ -1,0 +1,51 @@
+"""A ClientApp for tests/test_flower.py only: pflalign's ClientApp, except that the client
+with partition-id 1 corrupts its training update, one attack per round (0-based r):
+0 wrong shapes, 1 a NaN, 2 a missing tensor, 3 the update (w_k − w^r) 1e6 times too large.
+
+The test copies this file into a Flower app folder whose pyproject.toml names
+``malicious_client:app`` as the ClientApp (the ServerApp stays pflalign's)."""
+
+from __future__ import annotations
+
+from flwr.app import ArrayRecord, Context, Message
+from flwr.clientapp import ClientApp
+
+from pflalign.flower import client_app, wire
+
+app = ClientApp()
+MALICIOUS = 1
+
+
+def corrupt(params: dict, global_params: dict, r: int) -> dict:
+    first = sorted(params)[0]
+    if r == 0:
+        params[first] = params[first][:-1]  # one row short
+    elif r == 1:
+        params[first] = params[first].clone()
+        params[first].view(-1)[0] = float("nan")
+    elif r == 2:
+        del params[first]
+    else:
+        params = {n: global_params[n] + 1e6 * (t - global_params[n]) for n, t in params.items()}
+    return params
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    return client_app.query(msg, context)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    reply = client_app.train(msg, context)
+    if int(context.node_config["partition-id"]) == MALICIOUS:
+        key = wire.MESSAGE + "params"
+        params = reply.content[key].to_torch_state_dict()
+        global_params = msg.content[wire.GLOBAL].to_torch_state_dict()
+        reply.content[key] = ArrayRecord(corrupt(params, global_params, int(msg.content["config"]["round"])))
+    return reply
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    return client_app.evaluate(msg, context)

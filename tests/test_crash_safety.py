@@ -1,0 +1,230 @@
+"""No lost work: the two-generation checkpoint with its manifest, a run killed with
+SIGKILL or stopped with Ctrl-C (SIGINT) in round 3 and resumed, a corrupt checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pflalign import checkpoint as ckpt
+from pflalign.cli import main
+from pflalign.config import build_config
+from pflalign.engine import run
+from pflalign.errors import UserError
+
+from test_engine import TINY
+
+REPO = Path(__file__).resolve().parents[1]
+# 4 rounds, long enough (about a second each) to be caught in the middle of round 3
+CRASH_CONFIG = {**TINY, "method": "pflalign", "rounds": 4, "local_steps": 40}
+
+
+# ---- the checkpoint files ----------------------------------------------------------------
+def _payload(rounds_done: int) -> dict:
+    return {"rounds_done": rounds_done, "global": {"w": torch.full((3,), float(rounds_done))}, "metrics_offset": 0}
+
+
+def _files(out: Path) -> set[str]:
+    return {p.name for p in out.iterdir()}
+
+
+def test_two_checkpoints_and_a_manifest(tmp_path):
+    for r in (1, 2, 3):
+        ckpt.save_run_checkpoint(tmp_path, _payload(r))
+    assert _files(tmp_path) == {ckpt.CHECKPOINT, ckpt.PREVIOUS, ckpt.MANIFEST}  # at most two, no temporaries
+    manifest = json.loads((tmp_path / ckpt.MANIFEST).read_text())["checkpoints"]
+    assert [(e["file"], e["rounds_done"]) for e in manifest] == [(ckpt.CHECKPOINT, 3), (ckpt.PREVIOUS, 2)]
+    assert all(len(e["sha256"]) == 64 and e["size"] == (tmp_path / e["file"]).stat().st_size for e in manifest)
+    assert ckpt.load_run_checkpoint(tmp_path)["rounds_done"] == 3
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "missing"])
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog, damage):
+    for r in (1, 2):
+        ckpt.save_run_checkpoint(tmp_path, _payload(r))
+    path = tmp_path / ckpt.CHECKPOINT
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "flipped":  # same size, one byte changed: only the checksum sees it
+        path.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    else:
+        path.unlink()
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.load_run_checkpoint(tmp_path)["rounds_done"] == 1
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "checkpoint.pt" in warning and "resuming from checkpoint.prev.pt (after round 1)" in warning
+    assert ("missing" if damage == "missing" else "does not match its checksum") in warning
+
+
+def test_no_good_checkpoint_is_a_user_error(tmp_path):
+    for r in (1, 2):
+        ckpt.save_run_checkpoint(tmp_path, _payload(r))
+    for name in (ckpt.CHECKPOINT, ckpt.PREVIOUS):
+        (tmp_path / name).write_bytes(b"garbage")
+    with pytest.raises(UserError, match=r"no usable checkpoint in .*checkpoint\.pt does not match.*"
+                                        r"checkpoint\.prev\.pt does not match.*--overwrite"):
+        ckpt.load_run_checkpoint(tmp_path)
+    (tmp_path / ckpt.MANIFEST).unlink()  # unverified (no manifest): loading itself fails
+    with pytest.raises(UserError, match=r"checkpoint\.pt cannot be read"):
+        ckpt.load_run_checkpoint(tmp_path)
+
+
+class Killed(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("crash_at", [0, 1, 2])  # the manifest write, the rename to .prev, the final rename
+def test_a_crash_anywhere_in_a_save_leaves_a_good_checkpoint(tmp_path, monkeypatch, crash_at):
+    for r in (1, 2):
+        ckpt.save_run_checkpoint(tmp_path, _payload(r))
+    calls, real_replace = [], os.replace
+
+    def replace(src, dst):
+        if len(calls) == crash_at:
+            raise Killed
+        calls.append(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    with pytest.raises(Killed):
+        ckpt.save_run_checkpoint(tmp_path, _payload(3))
+    monkeypatch.undo()
+    assert ckpt.load_run_checkpoint(tmp_path)["rounds_done"] == 2  # the newest one the crash left intact
+    ckpt.save_run_checkpoint(tmp_path, _payload(3))
+    assert _files(tmp_path) == {ckpt.CHECKPOINT, ckpt.PREVIOUS, ckpt.MANIFEST}
+    (tmp_path / ckpt.CHECKPOINT).write_bytes(b"garbage")
+    assert ckpt.load_run_checkpoint(tmp_path)["rounds_done"] == 2  # and the fallback still holds
+
+
+def test_metrics_log_rolls_back_and_refuses_a_short_file(tmp_path):
+    log = ckpt.MetricsLog(tmp_path / ckpt.METRICS)
+    log.write(round=0)
+    offset = log.commit()
+    log.write(round=1)
+    log.rollback(offset)
+    log.close()
+    assert (tmp_path / ckpt.METRICS).read_text() == '{"round": 0}\n'
+    with pytest.raises(UserError, match="fewer than the 1000 its checkpoint records"):
+        ckpt.MetricsLog(tmp_path / ckpt.METRICS, resume_offset=1000)
+
+
+# ---- whole runs -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("config") / "crash.json"
+    path.write_text(json.dumps(CRASH_CONFIG))
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, config_file) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    run(build_config(str(config_file)), out, progress=False)
+    return out
+
+
+def _without_seconds(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("seconds")}
+
+
+def assert_same_run(out: Path, ref: Path) -> None:
+    """Adapters, client states, results.json and metrics.jsonl equal, timings aside."""
+    mine, theirs = ckpt.load_run_checkpoint(out), ckpt.load_run_checkpoint(ref)
+    assert mine["rounds_done"] == theirs["rounds_done"] == CRASH_CONFIG["rounds"]
+
+    def same(a: dict, b: dict, what: str) -> None:
+        assert a.keys() == b.keys(), what
+        for n in a:
+            assert torch.equal(a[n], b[n]), f"{what}: {n}"
+
+    same(mine["global"], theirs["global"], "global adapter")
+    for k, (a, b) in enumerate(zip(mine["clients"], theirs["clients"], strict=True)):
+        same(a["personalized"], b["personalized"], f"client {k} personalized adapter")
+        assert a["state"].keys() == b["state"].keys() and a["steps_taken"] == b["steps_taken"]
+        for group in a["state"]:
+            same(a["state"][group], b["state"][group], f"client {k} state {group}")
+    results = [_without_seconds(json.loads((d / ckpt.RESULTS).read_text())) for d in (out, ref)]
+    assert results[0] == results[1]
+    rows = [[_without_seconds(json.loads(line)) for line in (d / ckpt.METRICS).read_text().splitlines()]
+            for d in (out, ref)]
+    assert rows[0] == rows[1]  # every round once, in order
+
+
+def _start(config_file: Path, out: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "pflalign", "run", "--config", str(config_file),
+                             "--out", str(out), "--no-progress"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _in_round_3(proc: subprocess.Popen, out: Path, timeout: float = 120) -> None:
+    """Return once round 2 is checkpointed and round 3 has begun."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if json.loads((out / ckpt.MANIFEST).read_text())["checkpoints"][0]["rounds_done"] == 2:
+                time.sleep(0.2)  # past the renames, well inside round 3 (about a second)
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.01)
+    raise TimeoutError("round 2 was not checkpointed in time")
+
+
+def _check_stopped_in_round_3(out: Path) -> None:
+    assert not (out / ckpt.RESULTS).exists()
+    assert ckpt.load_run_checkpoint(out)["rounds_done"] == 2
+
+
+def test_sigkill_in_round_3_then_resume_equals_an_uninterrupted_run(tmp_path, config_file, uninterrupted, capsys):
+    out = tmp_path / "run"
+    proc = _start(config_file, out)
+    _in_round_3(proc, out)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    _check_stopped_in_round_3(out)
+    assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert_same_run(out, uninterrupted)
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_ctrl_c_in_round_3_saves_says_how_to_resume_exit_130(tmp_path, config_file, uninterrupted):
+    out = tmp_path / "run"
+    proc = _start(config_file, out)
+    _in_round_3(proc, out)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == (f"pflalign: interrupted during round 3 of 4; the last finished round (2) "
+                                            f"is saved; resume with: pflalign run --out {out} --resume")
+    _check_stopped_in_round_3(out)
+    # nothing half-written: no temporaries, and metrics.jsonl ends with round 2 (0-based 1)
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    rows = [json.loads(line) for line in (out / ckpt.METRICS).read_text().splitlines()]
+    assert max(r["round"] for r in rows) == 1 and rows[-1]["event"] == "round"
+    assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert_same_run(out, uninterrupted)
+
+
+def test_resume_after_a_corrupt_checkpoint_uses_the_previous_one(tmp_path, config_file, uninterrupted, caplog):
+    out = tmp_path / "run"
+    assert run(build_config(str(config_file)), out, stop_after=3, progress=False) is None
+    path = out / ckpt.CHECKPOINT
+    path.write_bytes(path.read_bytes()[:-1000])  # a torn write (disk full, a copy cut short)
+    with caplog.at_level(logging.WARNING):
+        run(None, out, resume=True, progress=False)
+    assert any("resuming from checkpoint.prev.pt (after round 2)" in r.getMessage() for r in caplog.records)
+    assert_same_run(out, uninterrupted)
