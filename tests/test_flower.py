@@ -10,37 +10,24 @@ listening. Flower is a test dependency: without it this module fails.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import flwr  # noqa: F401  (a missing Flower fails here, loudly)
-import psutil
 import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
 from pflalign.config import build_config
 from pflalign.engine import run as run_in_process
+from pflalign.flower.local import Cluster
 
 from test_engine import TINY  # the same tiny federation as the in-process engine's tests
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 RUN_TIMEOUT = 600  # seconds, one `flwr run`
-ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",  # nothing leaves the machine
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # the app runs from this environment
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Ray (Simulation Engine) on 127.0.0.1 only
-    "OMP_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
 
 def tiny(method: str) -> dict:
@@ -197,151 +184,15 @@ def test_expected_updates_follow_the_method_and_bad_metrics_are_rejected():
 
 
 # ---- processes -----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def make_cluster(root: Path, simulation: bool = False, app: Path = REPO) -> Cluster:
+    """Two clients (the tiny federation's), the model cache under `root`, one thread per process."""
+    return Cluster(root, app, clients=2, simulation=simulation,
+                   env={"PFLALIGN_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1"})
 
 
-def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before listening on {port}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
-
-
-def alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-class Cluster:
-    """A SuperLink (simulation or not), SuperNodes, `flwr run`, all on 127.0.0.1."""
-
-    def __init__(self, root: Path, simulation: bool = False):
-        self.root, self.simulation = root, simulation
-        self.env = {**os.environ, **ENV, "FLWR_HOME": str(root / "flwr-home"), "PFLALIGN_CACHE": str(root / "cache"),
-                    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}  # they start flower-superexec etc.
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.seen: dict[int, psutil.Process] = {}  # every process started, with the ones they started
-        self.ports: list[int] = []
-        self.link_port = free_port()
-        home = root / "flwr-home"
-        home.mkdir(parents=True)
-        (home / "config.toml").write_text(
-            f'[superlink]\ndefault = "test"\n\n[superlink.test]\naddress = "127.0.0.1:{self.link_port}"\ninsecure = true\n')
-
-    def _spawn(self, name: str, args: list[str], port: int) -> subprocess.Popen:
-        log = open(self.root / f"{name}.log", "ab")
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
-                                start_new_session=True)
-        log.close()
-        self.procs[name] = proc
-        self.ports.append(port)
-        self.track()
-        wait_listening(port, proc)
-        return proc
-
-    def start_link(self) -> None:
-        args = [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(self.link_port),
-                "--disable-runtime-dependency-installation"]
-        self._spawn("superlink", args + (["--simulation"] if self.simulation else []), self.link_port)
-
-    def start_node(self, k: int, n: int = 2) -> None:
-        port = free_port()
-        config = f'partition-id={k} num-partitions={n} state-dir="{self.state_dir(k)}"'
-        self._spawn(f"node{k}", [str(BIN / "flower-supernode"), "--insecure", "--superlink",
-                                 f"127.0.0.1:{self.link_port}", "--port", str(port), "--node-config", config], port)
-
-    def state_dir(self, k: int) -> Path:
-        return self.root / f"node{k}-state"
-
-    def track(self) -> None:
-        for proc in self.procs.values():
-            try:
-                parent = psutil.Process(proc.pid)
-                for p in [parent, *parent.children(recursive=True)]:
-                    self.seen.setdefault(p.pid, p)
-            except psutil.NoSuchProcess:
-                pass
-
-    def kill_node(self, k: int, crash: bool = True) -> None:
-        """crash: SIGKILL to the SuperNode and everything it started (the SuperLink notices when
-        its heartbeats stop); else SIGTERM to the SuperNode, which deregisters and stops."""
-        self.track()
-        node = self.procs.pop(f"node{k}")
-        family = [psutil.Process(node.pid)]
-        family += family[0].children(recursive=True) if crash else []
-        for p in family:
-            try:
-                p.send_signal(signal.SIGKILL if crash else signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
-        node.wait(timeout=60)
-
-    def flwr_run(self, run_config: dict, name: str, app: Path = REPO) -> subprocess.Popen:
-        """`flwr run` of this repository's app, or of `app` (in the background; see `finish`)."""
-        items = []
-        for key, value in run_config.items():
-            if isinstance(value, bool):
-                items.append(f"{key}={str(value).lower()}")
-            elif isinstance(value, str):
-                items.append(f"{key}='{value}'")  # a TOML literal string: JSON inside is fine
-            else:
-                items.append(f"{key}={value}")
-        args = [str(BIN / "flwr"), "run", str(app), "test", "--run-config", " ".join(items), "--stream"]
-        if self.simulation:
-            args += ["--federation-config", "num-supernodes=2 client-resources-num-cpus=1"]
-        log = open(self.root / f"{name}.log", "wb")
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
-                                start_new_session=True)
-        log.close()
-        self.procs[name] = proc
-        return proc
-
-    def finish(self, name: str, timeout: float = RUN_TIMEOUT) -> str:
-        """Wait for `flwr run` (it streams the ServerApp's log until the run ends); its output."""
-        proc = self.procs[name]
-        try:
-            proc.wait(timeout=timeout)
-        finally:
-            self.track()
-        return (self.root / f"{name}.log").read_text(errors="replace")
-
-    def close(self) -> None:
-        self.track()
-        for proc in self.procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 20
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for p in self.seen.values():  # whatever is left, with the detached ones (SuperExec, app processes)
-            if alive(p):
-                p.kill()
-        for proc in self.procs.values():
-            proc.wait(timeout=30)
-        psutil.wait_procs([p for p in self.seen.values() if alive(p)], timeout=30)
-
-    def check_closed(self) -> None:
-        left = [f"{p.pid} {p.name()}" for p in self.seen.values() if alive(p)]
-        assert not left, f"processes still running: {left}"
-        listening = [c.laddr for c in psutil.net_connections(kind="inet")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port in self.ports]
-        assert not listening, f"ports still in use: {listening}"
+def check_closed(cluster: Cluster) -> None:
+    left = cluster.leftovers()
+    assert not left, f"still running after close: {left}"
 
 
 # ---- comparisons ------------------------------------------------------------------------------
@@ -377,14 +228,14 @@ def test_deployment_engine_matches_in_process(tmp_path, reference):
     """pFLAlign, SCAFFOLD and FedSA-LoRA (the stateful methods), as three concurrent runs on
     one SuperLink and two SuperNodes, each equal to the in-process engine."""
     methods = ["pflalign", "scaffold", "fedsa-lora"]
-    cluster = Cluster(tmp_path)
+    cluster = make_cluster(tmp_path)
     try:
         cluster.start_link()
         cluster.start_node(0)
         cluster.start_node(1)
         for method in methods:
             cluster.flwr_run({"set": json.dumps(tiny(method)), "out": str(tmp_path / method)}, f"run-{method}")
-        outputs = {method: cluster.finish(f"run-{method}") for method in methods}
+        outputs = {method: cluster.finish(f"run-{method}", RUN_TIMEOUT) for method in methods}
         for method in methods:
             out = tmp_path / method
             assert (out / ckpt.RESULTS).exists(), f"{method}:\n{outputs[method][-3000:]}"
@@ -393,7 +244,7 @@ def test_deployment_engine_matches_in_process(tmp_path, reference):
             assert results["method"] == method and results["flower"]["missing_clients"] == []
     finally:
         cluster.close()
-    cluster.check_closed()
+    check_closed(cluster)
 
 
 def wait_for_round(out: Path, rounds_done: int, proc: subprocess.Popen, timeout: float = RUN_TIMEOUT) -> None:
@@ -414,7 +265,7 @@ def test_a_killed_client_node(tmp_path, reference):
     round and the run finish without it; with every client required (the node is stopped:
     SIGTERM) the run stops with a clear error and a checkpoint from which the run, once the
     node is back, resumes to the in-process result."""
-    cluster = Cluster(tmp_path)
+    cluster = make_cluster(tmp_path)
     try:
         cluster.start_link()
         cluster.start_node(0)
@@ -426,7 +277,7 @@ def test_a_killed_client_node(tmp_path, reference):
         proc = cluster.flwr_run({"set": config, "out": str(out), "min-clients": 1}, "tolerant")
         wait_for_round(out, 1, proc)
         cluster.kill_node(1)
-        output = cluster.finish("tolerant")
+        output = cluster.finish("tolerant", RUN_TIMEOUT)
         results = json.loads((out / ckpt.RESULTS).read_text())
         assert "round 2: client 1 (sorting) is missing" in output
         assert [c["id"] for c in results["clients"]] == [0]
@@ -441,7 +292,7 @@ def test_a_killed_client_node(tmp_path, reference):
         proc = cluster.flwr_run({"set": config, "out": str(out)}, "strict")
         wait_for_round(out, 1, proc)
         cluster.kill_node(1, crash=False)
-        output = cluster.finish("strict")
+        output = cluster.finish("strict", RUN_TIMEOUT)
         assert not (out / ckpt.RESULTS).exists()
         assert "round 2: 1 of 2 clients replied, fewer than min-clients=all; missing: client 1 (sorting)" in output
         assert "resume=true" in output
@@ -452,24 +303,24 @@ def test_a_killed_client_node(tmp_path, reference):
         # the checkpoint is usable: node 1 back (same state-dir), resume, the in-process result
         cluster.start_node(1)
         cluster.flwr_run({"out": str(out), "resume": True}, "resume")
-        output = cluster.finish("resume")
+        output = cluster.finish("resume", RUN_TIMEOUT)
         assert (out / ckpt.RESULTS).exists(), output[-3000:]
         assert_matches_in_process(out, [cluster.state_dir(0), cluster.state_dir(1)], reference("pflalign"))
     finally:
         cluster.close()
-    cluster.check_closed()
+    check_closed(cluster)
 
 
 def test_simulation_engine_matches_in_process(tmp_path, reference):
     """SCAFFOLD on the Simulation Engine (Ray), with per-round scores (eval.every) too."""
     over = {"eval": {**TINY["eval"], "every": 1, "every_max_test": 2}}
-    cluster = Cluster(tmp_path, simulation=True)
+    cluster = make_cluster(tmp_path, simulation=True)
     try:
         cluster.start_link()
         out, clients = tmp_path / "out", tmp_path / "clients"
         cluster.flwr_run({"set": json.dumps({**tiny("scaffold"), **over}), "out": str(out), "client-dir": str(clients)},
                          "sim")
-        output = cluster.finish("sim")
+        output = cluster.finish("sim", RUN_TIMEOUT)
         assert (out / ckpt.RESULTS).exists(), output[-3000:]
         ref = reference("scaffold", **over)
         assert_matches_in_process(out, [clients, clients], ref)
@@ -488,7 +339,7 @@ def test_simulation_engine_matches_in_process(tmp_path, reference):
             [(4 * adapter, 4 * adapter)] * 2
     finally:
         cluster.close()
-    cluster.check_closed()
+    check_closed(cluster)
 
 
 def test_a_malicious_client_is_rejected_and_the_honest_result_unaffected(tmp_path):
@@ -505,17 +356,17 @@ def test_a_malicious_client_is_rejected_and_the_honest_result_unaffected(tmp_pat
         pyproject = pyproject.replace(old, new)
     (app / "pyproject.toml").write_text(pyproject)
     over = {"rounds": 4, "eval": {**TINY["eval"], "base_model": False}}
-    cluster = Cluster(tmp_path, simulation=True)
+    cluster = make_cluster(tmp_path, simulation=True, app=app)
     try:
         cluster.start_link()
         out, clients = tmp_path / "out", tmp_path / "clients"
         cluster.flwr_run({"set": json.dumps({**tiny("fedavg"), **over}), "out": str(out), "client-dir": str(clients),
-                          "max-update-norm": 10.0}, "malicious", app=app)  # honest updates: about 0.07
+                          "max-update-norm": 10.0}, "malicious")  # honest updates: about 0.07
         output = cluster.finish("malicious")
         assert (out / ckpt.RESULTS).exists(), output[-3000:]
     finally:
         cluster.close()
-    cluster.check_closed()
+    check_closed(cluster)
     for r, reason in enumerate([r"params/\S+ has shape \(3, \d+\), expected \(4, \d+\)", r"params/\S+ holds NaN or Inf",
                                 r"group 'params': missing '\S+'", r"update norm \S+ exceeds max-update-norm=10"]):
         assert re.search(rf"round {r + 1}: rejected the update of client 1 \(sorting\) from SuperNode \d+: {reason}",

@@ -11,6 +11,8 @@ same client and server code as the in-process engine.
   on its own host, and runs `pflalign.client.local_round`.
 * `wire` is what crosses the wire: LoRA tensors as ArrayRecords, and the
   run configuration.
+* `local` starts a SuperLink, SuperNodes and `flwr run` as processes on
+  127.0.0.1 and stops them all again (the tests and benchmarks/engines.py).
 
 Components for ``[tool.flwr.app.components]`` (see pyproject.toml and
 docs/distributed.md): ``pflalign.flower.server_app:app`` and

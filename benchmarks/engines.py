@@ -1,0 +1,287 @@
+"""pflalign benchmark: the same run in-process, on Flower's Simulation Engine and on
+Flower's Deployment Engine; wall time, bytes per round, and whether they agree.
+
+    .venv/bin/python benchmarks/engines.py --data-dir ../shared/data --out benchmarks/results/engines.json
+
+The run (one configuration, resolved once here and given to all three engines as
+the same JSON file): the ``flan-paper`` preset (FLAN, the paper's 4 categories,
+one client each) with ``model=smollm2-135m rounds=2 local_steps=5
+data.max_test=4 eval.base_model=false eval.max_new_tokens=16`` (a tiny final
+evaluation, so that the time is mostly training), then the ``--set`` items
+given here; ``data.dir`` is ``<data-dir>/<data.name>`` unless set.
+
+The engines, one after the other, each on its own ports and in its own folder
+of a temporary directory (``FLWR_HOME`` there too: ``~/.flwr`` is untouched):
+
+* ``inprocess``: ``python -m pflalign run --config CONFIG --out OUT --no-progress``
+  (the CLI, a subprocess): the clients train one after the other in one process.
+* ``simulation``: ``flower-superlink --simulation`` on 127.0.0.1, then
+  ``flwr run`` with ``num-supernodes=N client-resources-num-cpus=1``: every
+  client is a Ray actor that may use 1 CPU, so Ray runs as many clients at
+  once as the machine has CPUs; the actors keep the model loaded.
+* ``deployment``: ``flower-superlink`` and N ``flower-supernode`` processes on
+  127.0.0.1 (insecure), one per client (``partition-id`` k), then ``flwr run``:
+  every message to a client starts a new ClientApp process (Flower's
+  ``--isolation subprocess``) that loads the model and its data again.
+
+Measured, per engine (wall clock, ``time.monotonic``):
+
+* ``startup_s``: starting the SuperLink and the SuperNodes, until every one of
+  them accepts connections on its port (0 for in-process; for the Simulation
+  Engine only the SuperLink: Ray starts within the run);
+* ``run_s``: from launching ``pflalign run`` / ``flwr run`` until ``results.json``
+  exists in the run directory (polled every 0.1 s; it is written last, atomically).
+  For Flower this includes the CLI building and sending the app, the SuperLink
+  starting the ServerApp (its w^0), the ServerApp waiting for a SuperNode per
+  client (polled every second), Ray's start (simulation), the rounds and the
+  final evaluation;
+* ``exit_s``: from the same launch until that process has exited;
+* ``train_s`` / ``eval_s``: the run's own ``seconds_train_this_session`` and
+  ``seconds_eval`` (results.json; all rounds, and the final evaluation);
+  ``other_s`` = ``run_s`` - both: everything before the first round (imports,
+  data, model, the app's start and connection, Ray) and the last writes;
+  ``round_s``: each round's ``seconds`` (metrics.jsonl);
+* ``bytes_to_clients`` / ``bytes_from_clients`` per round: the tensor payload of
+  the round's messages (array data and names, Flower's framing not counted).
+  Flower: the ServerApp's count in metrics.jsonl. In-process nothing crosses a
+  wire; the figure is computed with the same encoding
+  (`pflalign.flower.wire.payload_bytes`) on the messages the Flower app would
+  exchange, built with the run's method (``broadcast``, ``client_start``,
+  ``client_end``) from the run's final adapter and client states (sizes depend
+  only on the tensors' names and shapes), times each round's participants;
+* ``max_abs_diff``: the largest |difference| between the final global adapter
+  (``checkpoint.pt``'s ``global``) and the first engine's (the in-process one by
+  default); ``same`` when the names match and it is at most 1e-6 (the Flower
+  tests' tolerance). A run that differs makes the exit status 1.
+
+Every engine's processes (and those they start: SuperExec, app processes, Ray)
+are stopped before the next starts, and at the end also on an error, Ctrl-C or
+SIGTERM. All processes inherit this environment's ``OMP_NUM_THREADS`` (recorded in
+the JSON). Unset, torch uses every core in the in-process run (one client at
+a time) and in each of the Deployment Engine's ClientApp processes (N at once),
+while Ray sets it to its actors' CPU count, 1. The Flower processes import
+pflalign from this environment (as the installed app does), not from the app
+bundle that ``flwr run`` sends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import flwr
+import torch
+from flwr.app import RecordDict
+
+from pflalign import checkpoint as ckpt
+from pflalign.config import build_config, method_args, parse_set, to_dict
+from pflalign.flower import wire
+from pflalign.flower.local import Cluster, Processes
+from pflalign.methods import method_class
+
+REPO = Path(__file__).resolve().parents[1]  # the Flower app's project folder
+ENGINES = ("inprocess", "simulation", "deployment")
+PRESET = "flan-paper"
+DEFAULT_SET = ["model=smollm2-135m", "rounds=2", "local_steps=5", "data.max_test=4", "eval.base_model=false",
+               "eval.max_new_tokens=16"]
+TOLERANCE = 1e-6
+
+
+def resolve(data_dir: Path, items: list[str]) -> dict:
+    overrides = parse_set(DEFAULT_SET + items)  # later items win
+    cfg = build_config(PRESET, overrides)
+    if "dir" not in overrides.get("data", {}) and cfg.data.name in ("flan", "dolly"):
+        cfg.data.dir = str((data_dir / cfg.data.name).resolve())
+    return to_dict(cfg)
+
+
+def wait_for_results(out: Path, procs: Processes, name: str, t0: float, timeout: float) -> tuple[float, float]:
+    """Seconds from t0 until results.json exists, and until process `name` exits."""
+    proc, found = procs.procs[name], None
+    while found is None:
+        if (out / ckpt.RESULTS).exists():
+            found = time.monotonic() - t0
+        elif proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} without results:\n{procs.log(name)[-4000:]}")
+        elif time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{name}: no results after {timeout:.0f} s:\n{procs.log(name)[-4000:]}")
+        else:
+            time.sleep(0.1)
+    procs.finish(name, timeout=max(60.0, timeout - found))
+    return found, time.monotonic() - t0
+
+
+def run_engine(engine: str, root: Path, config: Path, clients: int, timeout: float) -> dict:
+    out = root / "out"
+    if engine == "inprocess":
+        procs = Processes(root)
+    else:
+        procs = Cluster(root, REPO, clients, simulation=engine == "simulation", client_cpus=1)
+    try:
+        startup = 0.0  # in-process: nothing to start
+        if isinstance(procs, Cluster):
+            tic = time.monotonic()
+            procs.start_link()
+            if not procs.simulation:
+                for k in range(clients):
+                    procs.start_node(k)
+            startup = time.monotonic() - tic
+        t0 = time.monotonic()
+        if engine == "inprocess":
+            procs.start("run", [sys.executable, "-m", "pflalign", "run", "--config", str(config), "--out", str(out),
+                                "--no-progress"])
+        else:
+            procs.flwr_run({"config": str(config), "out": str(out), "client-dir": str(root / "clients")}, "run")
+        run_s, exit_s = wait_for_results(out, procs, "run", t0, timeout)
+    finally:
+        procs.close()
+    left = procs.leftovers()
+    if left:
+        print(f"warning: {engine}: still running after close: {left}", file=sys.stderr)
+    return {"startup_s": startup, "run_s": run_s, "exit_s": exit_s, "out": out}
+
+
+def round_lines(out: Path) -> list[dict]:
+    return [row for row in map(json.loads, (out / ckpt.METRICS).read_text().splitlines()) if row["event"] == "round"]
+
+
+def inprocess_payload(out: Path) -> list[tuple[int, int]]:
+    """(bytes to, bytes from the clients) per round of an in-process run: see the module docstring."""
+    cfg = build_config(None, json.loads((out / ckpt.CONFIG).read_text()))
+    method = method_class(cfg.method)(method_args(cfg))
+    saved = ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
+    w = saved["global"]
+    broadcast = method.broadcast(w, copy.deepcopy(saved["server_state"]))
+    down = wire.payload_bytes(RecordDict({wire.GLOBAL: wire.to_record(w), **wire.pack(wire.BROADCAST, broadcast)}))
+    up = []
+    for client in saved["clients"]:
+        state = copy.deepcopy(client["state"])
+        params = method.client_start(w, state, copy.deepcopy(broadcast))
+        up.append(wire.payload_bytes(RecordDict(wire.pack(wire.MESSAGE, method.client_end(w, params, state)))))
+    return [(down * len(row["clients"]), sum(up[k] for k in row["clients"])) for row in round_lines(out)]
+
+
+def summarize(engine: str, measured: dict) -> dict:
+    out = measured["out"]
+    results = json.loads((out / ckpt.RESULTS).read_text())
+    rounds = round_lines(out)
+    if engine == "inprocess":
+        payload = inprocess_payload(out)
+        source = ("computed: pflalign.flower.wire.payload_bytes of the messages the Flower app would send, "
+                  "built with the method from the run's final adapter and client states, x each round's participants")
+    else:
+        payload = [(row["bytes_to_clients"], row["bytes_from_clients"]) for row in rounds]
+        source = "metrics.jsonl: the ServerApp's count of the round's messages (ArrayRecord bytes: data and names)"
+    return {
+        "startup_s": measured["startup_s"], "run_s": measured["run_s"], "exit_s": measured["exit_s"],
+        "train_s": results["seconds_train_this_session"], "eval_s": results["seconds_eval"],
+        "other_s": measured["run_s"] - results["seconds_train_this_session"] - results["seconds_eval"],
+        "round_s": [row["seconds"] for row in rounds],
+        "bytes_to_clients": [down for down, _ in payload], "bytes_from_clients": [up for _, up in payload],
+        "bytes_source": source,
+        "avg_rouge_l_personalized": results["avg_rouge_l_personalized"],
+        "avg_rouge_l_global": results["avg_rouge_l_global"],
+    }
+
+
+def compare(reference: dict, other: dict) -> dict:
+    if reference.keys() != other.keys():
+        return {"same": False, "max_abs_diff": None, "why": "different tensor names"}
+    diff = max(float((reference[n].double() - other[n].double()).abs().max()) for n in reference)
+    return {"same": diff <= TOLERANCE, "max_abs_diff": diff}
+
+
+def megabytes(values: list[int]) -> str:
+    shown = sorted({f"{v / 1e6:.3f}" for v in values})
+    return "/".join(shown) + " MB"
+
+
+def print_table(report: dict) -> None:
+    ref = report["reference"]
+    head = ("engine", "startup s", "run s", "train s", "eval s", "other s", "exit s", "to clients/round",
+            "from clients/round", f"max|Δw| vs {ref}")
+    rows = [head]
+    for engine, r in report["engines"].items():
+        diff = "-" if engine == ref else ("n/a" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.2e}")
+        rows.append((engine, f"{r['startup_s']:.1f}", f"{r['run_s']:.1f}", f"{r['train_s']:.1f}", f"{r['eval_s']:.1f}",
+                     f"{r['other_s']:.1f}", f"{r['exit_s']:.1f}", megabytes(r["bytes_to_clients"]),
+                     megabytes(r["bytes_from_clients"]), diff))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
+    print("\n".join(lines))
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", required=True, help="folder with flan/ and dolly/ (e.g. ../shared/data)")
+    parser.add_argument("--out", default="benchmarks/results/engines.json", help="the JSON report")
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="config overrides after the defaults (see above), e.g. model=tiny-llama data.max_test=2")
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, in this order (default: all)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run (default 3600)")
+    parser.add_argument("--keep", metavar="DIR", help="keep the run folders and logs in DIR (default: a temporary one)")
+    args = parser.parse_args()
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown or not engines:
+        parser.error(f"unknown engine(s) {unknown}; valid: {', '.join(ENGINES)}")
+    signal.signal(signal.SIGTERM, _sigterm)  # stop our processes on SIGTERM too (the finally blocks)
+
+    config = resolve(Path(args.data_dir), args.set)
+    clients = len(wire.client_tasks(build_config(None, config)))
+    report = {
+        "command": sys.argv,
+        "config": config,
+        "clients": clients,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__, "flwr": flwr.__version__,
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads()},
+        "reference": engines[0],
+        "engines": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="pflalign-engines-") as tmp:
+        work = Path(args.keep) if args.keep else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        config_file = work / "config.json"
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
+        finals = {}
+        for engine in engines:
+            print(f"{engine}: running ...", flush=True)
+            measured = run_engine(engine, work / engine, config_file, clients, args.timeout)
+            report["engines"][engine] = summarize(engine, measured)
+            finals[engine] = ckpt.load_checkpoint(measured["out"] / ckpt.CHECKPOINT)["global"]
+            report["engines"][engine].update(compare(finals[engines[0]], finals[engine]))
+            r = report["engines"][engine]
+            print(f"{engine}: startup {r['startup_s']:.1f} s, run {r['run_s']:.1f} s", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print()
+    print_table(report)
+    print(f"\n{clients} clients; run s: launch until results.json; bytes: tensor payload per round "
+          f"(in-process: computed, see the JSON); wrote {args.out}")
+    differ = [e for e, r in report["engines"].items() if not r["same"]]
+    if differ:
+        print(f"error: the final global adapter of {', '.join(differ)} differs from {engines[0]}'s", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the runs' processes were stopped on the way out (run_engine's finally)
+        print("interrupted; every process of the runs is stopped", file=sys.stderr)
+        sys.exit(130)
