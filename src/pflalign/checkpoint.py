@@ -40,7 +40,9 @@ RESULTS = "results.json"
 PREDICTIONS = "predictions.jsonl"
 
 
-def _atomic_write(path: Path, write) -> None:
+def _atomic_write(path: Path, write, before_rename=None) -> None:
+    """`write(f)` to a temporary file beside `path`, fsync, rename it to `path`;
+    `before_rename(tmp)` runs once the bytes are on disk, before they get the name."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -49,6 +51,8 @@ def _atomic_write(path: Path, write) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -128,16 +132,22 @@ def remove_stale_temporaries(out: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _vouched(manifest: list[dict], path: Path) -> dict | None:
+    """The manifest entry whose checksum and size match the file at `path`, if any."""
+    sha256, size = _digest(path)
+    return next((e for e in manifest if (e["sha256"], e["size"]) == (sha256, size)), None)
+
+
 def _newest_good(out: Path) -> tuple[str, dict] | None:
     """The newest checkpoint file the manifest vouches for, with its entry (without a
     manifest, from an older pflalign: checkpoint.pt as it is)."""
     manifest = _read_manifest(out)
     for name in (CHECKPOINT, PREVIOUS):
         if (out / name).exists():
-            sha256, size = _digest(out / name)
             if manifest is None:
+                sha256, size = _digest(out / name)
                 return name, {"sha256": sha256, "size": size, "rounds_done": None}
-            entry = next((e for e in manifest if (e["sha256"], e["size"]) == (sha256, size)), None)
+            entry = _vouched(manifest, out / name)
             if entry is not None:
                 return name, entry
     return None
@@ -153,14 +163,8 @@ def save_run_checkpoint(out: Path, payload: dict) -> None:
         for name in (CHECKPOINT, PREVIOUS):
             if keep is None or name != keep[0]:
                 (out / name).unlink(missing_ok=True)
-        fd, name = tempfile.mkstemp(dir=out, prefix=f".{CHECKPOINT}.", suffix=".tmp")
-        tmp = Path(name)
-        try:
-            os.fchmod(fd, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
+
+        def vouch_then_shift(tmp: Path) -> None:
             sha256, size = _digest(tmp)
             entries = [{"file": CHECKPOINT, "sha256": sha256, "size": size, "rounds_done": payload["rounds_done"]}]
             if keep is not None:
@@ -168,11 +172,9 @@ def save_run_checkpoint(out: Path, payload: dict) -> None:
             write_json(out / MANIFEST, {"checkpoints": entries})  # first: it vouches for the new file
             if keep is not None and keep[0] != PREVIOUS:
                 os.replace(out / keep[0], out / PREVIOUS)
-            os.replace(tmp, out / CHECKPOINT)
-            _fsync_dir(out)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+
+        _atomic_write(out / CHECKPOINT, lambda f: torch.save(payload, f), before_rename=vouch_then_shift)
+        _fsync_dir(out)
 
 
 def has_run_checkpoint(out: Path) -> bool:
@@ -197,12 +199,9 @@ def load_run_checkpoint(out: Path) -> dict:
             if name == CHECKPOINT:
                 problems.append(f"{name} is missing")
             continue
-        if manifest is not None:
-            sha256, size = _digest(path)
-            entry = next((e for e in manifest if e["sha256"] == sha256 and e["size"] == size), None)
-            if entry is None:
-                problems.append(f"{name} does not match its checksum in {MANIFEST} (truncated or corrupt)")
-                continue
+        if manifest is not None and _vouched(manifest, path) is None:
+            problems.append(f"{name} does not match its checksum in {MANIFEST} (truncated or corrupt)")
+            continue
         try:
             payload = load_checkpoint(path)
             rounds_done = payload["rounds_done"]
