@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import UserError
+from .prompts import IGNORE
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,11 @@ def _tiny_model(name: str):
     return model, tok
 
 
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def load_base_model(spec: str, dtype: torch.dtype = torch.float32):
     """Return (model, tokenizer) for a model spec; see the module docstring."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -173,14 +179,13 @@ def load_base_model(spec: str, dtype: torch.dtype = torch.float32):
             model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
     except UserError:
         raise
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot load model {spec!r}: {_first_line(exc)}") from exc
     except Exception as exc:  # a damaged .gguf fails anywhere in its parser (struct.error, OverflowError, ...)
-        if not isinstance(exc, (OSError, ValueError)) and not spec.endswith(".gguf"):
+        if not spec.endswith(".gguf"):
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if not isinstance(exc, (OSError, ValueError)):
-            kind = type(exc).__name__ if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{type(exc).__name__}"
-            first = f"damaged or truncated GGUF file ({kind}: {first[:120]})"
-        raise UserError(f"cannot load model {spec!r}: {first}") from exc
+        kind = type(exc).__name__ if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{type(exc).__name__}"
+        raise UserError(f"cannot load model {spec!r}: damaged or truncated GGUF file ({kind}: {_first_line(exc)[:120]})") from exc
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model, tok
@@ -297,7 +302,7 @@ class FederatedLM:
             loss.backward()
             value = loss.item()
         else:
-            count = int((batch["labels"][:, 1:] != -100).sum())
+            count = int((batch["labels"][:, 1:] != IGNORE).sum())
             value = 0.0
             for row in pack_rows(batch, pack_tokens, self.dtype):
                 total, _ = self._loss_sum(**row)
@@ -314,7 +319,7 @@ class FederatedLM:
         extra = {} if position_ids is None else {"position_ids": position_ids}
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
         targets = labels[:, 1:]
-        keep = targets != -100
+        keep = targets != IGNORE
         logits = base.get_output_embeddings()(hidden[:, :-1][keep])
         return F.cross_entropy(logits.float(), targets[keep], reduction="sum"), int(keep.sum())
 
@@ -331,11 +336,14 @@ def pack_rows(batch: dict[str, torch.Tensor], max_tokens: int,
     """
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     groups: list[list[int]] = []
+    filled = 0  # tokens in the last row
     for i, n in enumerate(lengths):
-        if groups and sum(lengths[j] for j in groups[-1]) + n <= max_tokens:
+        if groups and filled + n <= max_tokens:
             groups[-1].append(i)
+            filled += n
         else:
             groups.append([i])
+            filled = n
     rows = []
     for group in groups:
         ids = torch.cat([batch["input_ids"][i, : lengths[i]] for i in group])[None]
@@ -345,7 +353,7 @@ def pack_rows(batch: dict[str, torch.Tensor], max_tokens: int,
         labels = []
         for i in group:
             own = batch["labels"][i, : lengths[i]].clone()
-            own[0] = -100  # never predicted from the previous example's last token
+            own[0] = IGNORE  # never predicted from the previous example's last token
             labels.append(own)
         positions = torch.cat([torch.arange(lengths[i], device=ids.device) for i in group])[None]
         segment = torch.cat([torch.full((lengths[i],), k, device=ids.device) for k, i in enumerate(group)])
