@@ -52,6 +52,13 @@ def _names(names, limit: int = 3) -> str:
     return ", ".join(repr(n) for n in names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def _key_difference(want, got, noun: str = "") -> str:
+    """'missing …; unexpected …' for two key sets that differ."""
+    missing, extra = want - got, got - want
+    return "; ".join(filter(None, [missing and f"missing {noun}{_names(missing)}",
+                                   extra and f"unexpected {noun}{_names(extra)}"]))
+
+
 def validate_update(update: Message, expected: Expected, max_norm: float = 0.0,
                     reference: dict[str, Params] | None = None) -> str | None:
     """Why `update` (group → tensors, as received) must be rejected, or None when it is fine.
@@ -61,15 +68,11 @@ def validate_update(update: Message, expected: Expected, max_norm: float = 0.0,
     groups of adapter weights); a group without one is measured against zero.
     """
     if update.keys() != expected.keys():
-        missing, extra = expected.keys() - update.keys(), update.keys() - expected.keys()
-        return "; ".join(filter(None, [missing and f"missing group {_names(missing)}",
-                                       extra and f"unexpected group {_names(extra)}"]))
+        return _key_difference(expected.keys(), update.keys(), "group ")
     for group, want in expected.items():
         got = update[group]
         if got.keys() != want.keys():
-            missing, extra = want.keys() - got.keys(), got.keys() - want.keys()
-            return f"group {group!r}: " + "; ".join(filter(None, [missing and f"missing {_names(missing)}",
-                                                                  extra and f"unexpected {_names(extra)}"]))
+            return f"group {group!r}: " + _key_difference(want.keys(), got.keys())
         for name, (shape, dtype) in want.items():
             t = got[name]
             if not isinstance(t, torch.Tensor):
