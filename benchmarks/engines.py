@@ -56,10 +56,13 @@ Measured, per engine (wall clock, ``time.monotonic``):
 
 Every engine's processes (and those they start: SuperExec, app processes, Ray)
 are stopped before the next starts, and at the end also on an error, Ctrl-C or
-SIGTERM. All processes inherit this environment's ``OMP_NUM_THREADS`` (recorded in
-the JSON). Unset, torch uses every core in the in-process run (one client at
-a time) and in each of the Deployment Engine's ClientApp processes (N at once),
-while Ray sets it to its actors' CPU count, 1. The Flower processes import
+SIGTERM. Threads (recorded in the JSON): the in-process run trains one client at
+a time and keeps torch's default, every core; Ray sets its actors'
+``OMP_NUM_THREADS`` to their CPU count, 1; the Deployment Engine's processes get
+``OMP_NUM_THREADS`` = max(1, cores // N), since N ClientApps train at once. With
+torch's default there, 4 ClientApps of 2 threads on 2 cores spent most of their
+time in OpenMP barriers (the first round took 386 s). An ``OMP_NUM_THREADS`` set in
+this environment is passed to every engine unchanged. The Flower processes import
 pflalign from this environment (as the installed app does), not from the app
 bundle that ``flwr run`` sends.
 """
@@ -119,12 +122,19 @@ def wait_for_results(out: Path, procs: Processes, name: str, t0: float, timeout:
     return found, time.monotonic() - t0
 
 
+def deployment_threads(clients: int) -> str:
+    """Threads per Deployment Engine process: the cores shared by the N ClientApps that
+    train at once (unless OMP_NUM_THREADS is set here)."""
+    return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // clients))
+
+
 def run_engine(engine: str, root: Path, config: Path, clients: int, timeout: float) -> dict:
     out = root / "out"
     if engine == "inprocess":
         procs = Processes(root)
     else:
-        procs = Cluster(root, REPO, clients, simulation=engine == "simulation", client_cpus=1)
+        procs = Cluster(root, REPO, clients, simulation=engine == "simulation", client_cpus=1,
+                        env={"OMP_NUM_THREADS": deployment_threads(clients)} if engine == "deployment" else None)
     try:
         startup = 0.0  # in-process: nothing to start
         if isinstance(procs, Cluster):
@@ -248,7 +258,8 @@ def main() -> int:
         "clients": clients,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "flwr": flwr.__version__,
-                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads()},
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
+                    "deployment_OMP_NUM_THREADS": deployment_threads(clients)},
         "reference": engines[0],
         "engines": {},
     }
