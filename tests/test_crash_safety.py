@@ -3,6 +3,7 @@ SIGKILL or stopped with Ctrl-C (SIGINT) in round 3 and resumed, a corrupt checkp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -43,8 +44,29 @@ def test_two_checkpoints_and_a_manifest(tmp_path):
     assert _files(tmp_path) == {ckpt.CHECKPOINT, ckpt.PREVIOUS, ckpt.MANIFEST}  # at most two, no temporaries
     manifest = json.loads((tmp_path / ckpt.MANIFEST).read_text())["checkpoints"]
     assert [(e["file"], e["rounds_done"]) for e in manifest] == [(ckpt.CHECKPOINT, 3), (ckpt.PREVIOUS, 2)]
-    assert all(len(e["sha256"]) == 64 and e["size"] == (tmp_path / e["file"]).stat().st_size for e in manifest)
+    for e in manifest:  # the checksum hashed while writing is the file's own
+        data = (tmp_path / e["file"]).read_bytes()
+        assert (e["sha256"], e["size"]) == (hashlib.sha256(data).hexdigest(), len(data))
     assert ckpt.load_run_checkpoint(tmp_path)["rounds_done"] == 3
+
+
+def test_loading_hashes_from_disk_even_a_file_this_process_wrote(tmp_path, caplog):
+    """Saving trusts the checksums of files it wrote itself (same inode, size, mtime);
+    loading never does: a byte flipped behind its back, size and mtime put back, is caught."""
+    for r in (1, 2):
+        ckpt.save_run_checkpoint(tmp_path, _payload(r))
+    path = tmp_path / ckpt.CHECKPOINT
+    st = path.stat()
+    with open(path, "r+b") as f:  # in place: same inode
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert ckpt._stat_key(path) in ckpt._written  # a save would take it for the file it wrote
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.load_run_checkpoint(tmp_path)["rounds_done"] == 1
+    assert "does not match its checksum" in caplog.text
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "missing"])

@@ -99,12 +99,44 @@ def sigint_deferred():
         raise KeyboardInterrupt
 
 
-def _digest(path: Path) -> tuple[str, int]:
+class _HashingWriter:
+    """A file's `write`, hashing the bytes on their way to disk: a checkpoint just
+    written is never read back to be checksummed."""
+
+    def __init__(self, file):
+        self._file, self.sha256, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.size += memoryview(data).nbytes
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+# Checksums of the checkpoints this process wrote, by (device, inode, size,
+# mtime), so that a save does not re-read the previous round's checkpoint to
+# decide which file to keep (a rename keeps all four). Only saving uses them:
+# loading always hashes from disk, so a file damaged after it was written is
+# never vouched for, even by a stale entry here.
+_written: dict[tuple[int, int, int, int], str] = {}
+
+
+def _stat_key(path: Path) -> tuple[int, int, int, int]:
+    st = path.stat()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _digest(path: Path, reuse_written: bool = False) -> tuple[str, int]:
+    key = _stat_key(path)
+    if reuse_written and key in _written:
+        return _written[key], key[2]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
-    return h.hexdigest(), path.stat().st_size
+    return h.hexdigest(), key[2]
 
 
 def _read_manifest(out: Path) -> list[dict] | None:
@@ -132,22 +164,22 @@ def remove_stale_temporaries(out: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _vouched(manifest: list[dict], path: Path) -> dict | None:
+def _vouched(manifest: list[dict], path: Path, reuse_written: bool = False) -> dict | None:
     """The manifest entry whose checksum and size match the file at `path`, if any."""
-    sha256, size = _digest(path)
+    sha256, size = _digest(path, reuse_written)
     return next((e for e in manifest if (e["sha256"], e["size"]) == (sha256, size)), None)
 
 
-def _newest_good(out: Path) -> tuple[str, dict] | None:
+def _newest_good(out: Path, reuse_written: bool = False) -> tuple[str, dict] | None:
     """The newest checkpoint file the manifest vouches for, with its entry (without a
     manifest, from an older pflalign: checkpoint.pt as it is)."""
     manifest = _read_manifest(out)
     for name in (CHECKPOINT, PREVIOUS):
         if (out / name).exists():
             if manifest is None:
-                sha256, size = _digest(out / name)
+                sha256, size = _digest(out / name, reuse_written)
                 return name, {"sha256": sha256, "size": size, "rounds_done": None}
-            entry = _vouched(manifest, out / name)
+            entry = _vouched(manifest, out / name, reuse_written)
             if entry is not None:
                 return name, entry
     return None
@@ -159,21 +191,28 @@ def save_run_checkpoint(out: Path, payload: dict) -> None:
     first: at most two checkpoints on disk, also while writing."""
     with sigint_deferred():
         remove_stale_temporaries(out)
-        keep = _newest_good(out)
+        keep = _newest_good(out, reuse_written=True)
         for name in (CHECKPOINT, PREVIOUS):
             if keep is None or name != keep[0]:
                 (out / name).unlink(missing_ok=True)
 
+        written = {}
+
+        def write(f) -> None:
+            hashing = _HashingWriter(f)
+            torch.save(payload, hashing)
+            written.update(sha256=hashing.sha256.hexdigest(), size=hashing.size)
+
         def vouch_then_shift(tmp: Path) -> None:
-            sha256, size = _digest(tmp)
-            entries = [{"file": CHECKPOINT, "sha256": sha256, "size": size, "rounds_done": payload["rounds_done"]}]
+            _written[_stat_key(tmp)] = written["sha256"]
+            entries = [{"file": CHECKPOINT, **written, "rounds_done": payload["rounds_done"]}]
             if keep is not None:
                 entries.append({**keep[1], "file": PREVIOUS})
             write_json(out / MANIFEST, {"checkpoints": entries})  # first: it vouches for the new file
             if keep is not None and keep[0] != PREVIOUS:
                 os.replace(out / keep[0], out / PREVIOUS)
 
-        _atomic_write(out / CHECKPOINT, lambda f: torch.save(payload, f), before_rename=vouch_then_shift)
+        _atomic_write(out / CHECKPOINT, write, before_rename=vouch_then_shift)
         _fsync_dir(out)
 
 
