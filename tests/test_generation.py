@@ -1,24 +1,42 @@
 """Evaluation's generation: batching and the merged adapter change speed, never the text."""
 
+import contextlib
+
 import pytest
 import torch
 
 from pflalign.data import Example
-from pflalign.evaluate import generate
+from pflalign.evaluate import _eos_ids, generate, greedy_batch
 from pflalign.prompts import encode_prompt
 
 PROMPTS = [Example(p, "") for p in ("Hi", "Sort these numbers: 5, 3, 9, 1", "Name a colour.",
                                      "Translate to French: the cat sits on the mat", "2+2=?", "Why?")]
 
 
+@contextlib.contextmanager
+def _nonzero_adapter(lm):
+    """`lm` with a nonzero adapter, restored afterwards."""
+    saved = lm.get_lora()
+    g = torch.Generator().manual_seed(1)
+    lm.set_lora({n: t + 0.2 * torch.randn(t.shape, generator=g) for n, t in saved.items()})
+    try:
+        yield lm
+    finally:
+        lm.set_lora(saved)
+
+
 @pytest.fixture
 def trained_like(tiny_llama):
-    """The tiny model with a nonzero adapter, restored afterwards."""
-    saved = tiny_llama.get_lora()
-    g = torch.Generator().manual_seed(1)
-    tiny_llama.set_lora({n: t + 0.2 * torch.randn(t.shape, generator=g) for n, t in saved.items()})
-    yield tiny_llama
-    tiny_llama.set_lora(saved)
+    """The tiny Llama with a nonzero adapter, restored afterwards."""
+    with _nonzero_adapter(tiny_llama) as lm:
+        yield lm
+
+
+@pytest.fixture(params=["tiny_llama", "tiny_opt"])
+def trained_lm(request):
+    """Each tiny model family (Llama, OPT) with a nonzero adapter, restored afterwards."""
+    with _nonzero_adapter(request.getfixturevalue(request.param)) as lm:
+        yield lm
 
 
 def _prompts(lm):
@@ -50,3 +68,91 @@ def test_merged_adapter_gives_the_same_text_and_restores_the_backbone_exactly(tr
     assert all(p.requires_grad for p in lm.lora.values())  # the adapter is live again
     with lm.model.disable_adapter():  # the base model is not the adapted one: the check above can fail
         assert generate(lm.model, lm.tokenizer, prompts, 12, batch_size=4, progress=False) != unmerged
+
+
+# --- The explicit greedy loop (finished rows leave the batch) against `model.generate` ---------------
+
+
+def _old_generate(model, tokenizer, prompts, max_new_tokens, batch_size):
+    """The previous `generate`: the same grouping and padding, then `model.generate` runs every row to the end."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=_eos_ids(model, tokenizer))
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    outputs = [""] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        ids, mask = _left_pad([prompts[i] for i in chunk], tokenizer.pad_token_id)
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
+        for row, i in enumerate(chunk):
+            outputs[i] = tokenizer.decode(out[row, ids.shape[1] :], skip_special_tokens=True).strip()
+    return outputs
+
+
+def _left_pad(prompts, pad_id):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def _generate_ids(lm, prompts, max_new_tokens):
+    """`model.generate`'s greedy ids for one left-padded batch, each row cut after its first EOS."""
+    from transformers import GenerationConfig
+
+    eos = _eos_ids(lm.model, lm.tokenizer)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                           pad_token_id=lm.tokenizer.pad_token_id, eos_token_id=eos)
+    ids, mask = _left_pad(prompts, lm.tokenizer.pad_token_id)
+    rows = lm.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)[:, ids.shape[1] :].tolist()
+    return [row[: next((k + 1 for k, t in enumerate(row) if t in eos), len(row))] for row in rows]
+
+
+def _loop_ids(lm, prompts, max_new_tokens):
+    ids, mask = _left_pad(prompts, lm.tokenizer.pad_token_id)
+    return greedy_batch(lm.model, ids, mask, _eos_ids(lm.model, lm.tokenizer), max_new_tokens)
+
+
+def _in_batches(fn, lm, prompts, max_new_tokens, batch_size):
+    return [a for s in range(0, len(prompts), batch_size) for a in fn(lm, prompts[s : s + batch_size], max_new_tokens)]
+
+
+def test_loop_gives_model_generates_ids_and_text(trained_lm):
+    lm = trained_lm
+    prompts = _prompts(lm)
+    for batch_size in (1, 3, 64):
+        assert _in_batches(_loop_ids, lm, prompts, 12, batch_size) == _in_batches(_generate_ids, lm, prompts, 12, batch_size)
+        assert (generate(lm.model, lm.tokenizer, prompts, 12, batch_size=batch_size, progress=False)
+                == _old_generate(lm.model, lm.tokenizer, prompts, 12, batch_size))
+
+
+def _stoppers(answers):
+    """Tokens of `answers` that, made EOS tokens, end the answers after as many different lengths as they can."""
+    def lengths(eos):
+        return {next((k + 1 for k, t in enumerate(a) if t in eos), len(a)) for a in answers}
+
+    chosen = []
+    for token in sorted({t for a in answers for t in a}):
+        if len(lengths(chosen + [token])) > len(lengths(chosen)):
+            chosen.append(token)
+    return chosen
+
+
+def test_rows_that_end_at_different_steps_leave_the_batch_without_changing_the_others(trained_lm):
+    lm = trained_lm
+    prompts = _prompts(lm)
+    config = lm.model.generation_config
+    saved = config.eos_token_id
+    one_at_a_time = _in_batches(_loop_ids, lm, prompts, 12, 1)
+    config.eos_token_id = [lm.tokenizer.eos_token_id, *_stoppers(one_at_a_time)]
+    try:
+        one_at_a_time = _in_batches(_loop_ids, lm, prompts, 12, 1)
+        lengths = [len(a) for a in one_at_a_time]
+        assert len(set(lengths)) >= 3 and min(lengths) < 12  # rows really end at different steps
+        assert _loop_ids(lm, prompts, 12) == one_at_a_time == _generate_ids(lm, prompts, 12)
+        texts = _old_generate(lm.model, lm.tokenizer, prompts, 12, 64)
+        for batch_size in (1, 3, 64):
+            assert generate(lm.model, lm.tokenizer, prompts, 12, batch_size=batch_size, progress=False) == texts
+    finally:
+        config.eos_token_id = saved

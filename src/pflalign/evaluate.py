@@ -1,4 +1,4 @@
-"""Scoring: batched greedy generation with a KV cache, and ROUGE-L.
+"""Scoring: batched greedy generation with a KV cache (finished rows leave the batch), and ROUGE-L.
 
 ROUGE-L is the F-measure of `rouge-score`'s ``rougeL`` with Porter stemming,
 ×100, averaged over a client's test examples — the paper's metric.
@@ -37,20 +37,50 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 
 @torch.no_grad()
+def greedy_batch(model, ids: torch.Tensor, mask: torch.Tensor, eos: list[int], max_new_tokens: int) -> list[list[int]]:
+    """The token ids `model.generate` picks greedily for a left-padded batch, EOS included.
+
+    Unlike `model.generate`, a row leaves the batch as soon as it ends (an EOS token):
+    its cache, mask and positions are dropped, so the remaining rows' decode
+    steps stop paying for it.
+    """
+    alive = list(range(len(ids)))  # batch position -> row of `ids`
+    answers: list[list[int]] = [[] for _ in alive]
+    # Positions as generate derives them: count of real tokens so far, 0 on pads.
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    # generate drops an all-ones mask (attention then takes its unpadded, causal path): do the same.
+    mask = None if bool(mask.all()) else mask
+    cache, inputs = None, ids
+    for step in range(max_new_tokens):
+        out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)  # logits of the last position only
+        cache, tokens = out.past_key_values, out.logits[:, -1].argmax(-1)
+        for row, token in zip(alive, tokens.tolist()):
+            answers[row].append(token)
+        keep = [k for k, token in enumerate(tokens.tolist()) if token not in eos]
+        if not keep or step == max_new_tokens - 1:
+            break
+        if len(keep) < len(alive):  # shrink every per-row tensor to the rows still running
+            index = torch.tensor(keep, device=tokens.device)
+            cache.batch_select_indices(index)
+            tokens, positions = tokens[index], positions[index]
+            mask = None if mask is None else mask[index]
+            alive = [alive[k] for k in keep]
+        inputs, positions = tokens[:, None], positions[:, -1:] + 1
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=-1)
+    return answers
+
+
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
              desc: str = "generate", progress: bool = True) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded without special tokens.
 
     Prompts are grouped by length (less padding), left-padded, and decoded
-    with the model's KV cache; each batch stops once every row has hit EOS.
+    with the model's KV cache by `greedy_batch`, rows leaving as they end.
     """
-    from transformers import GenerationConfig
-
     device = next(model.parameters()).device
-    gen = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=_eos_ids(model, tokenizer),
-    )
+    eos = _eos_ids(model, tokenizer)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     outputs: list[str] = [""] * len(prompts)
     bar = tqdm(total=len(prompts), desc=desc, leave=False, disable=not progress, unit="ex")
@@ -63,9 +93,9 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
             p = prompts[i]
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen)
-        for row, i in enumerate(chunk):
-            outputs[i] = tokenizer.decode(out[row, width:], skip_special_tokens=True).strip()
+        answers = greedy_batch(model, ids.to(device), mask.to(device), eos, max_new_tokens)
+        for answer, i in zip(answers, chunk):
+            outputs[i] = tokenizer.decode(answer, skip_special_tokens=True).strip()
         bar.update(len(chunk))
     bar.close()
     return outputs
