@@ -198,13 +198,21 @@ def peak_memory(clients: int, flan_dir: Path) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+SECTIONS = ("train", "round_flan", "round_dolly", "generation", "memory")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", required=True, help="folder with flan/ and dolly/ (e.g. ../shared/data)")
     parser.add_argument("--out", default="benchmarks/results/latest.json")
     parser.add_argument("--steps", type=int, default=8, help="timed training steps per dataset")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run (default: all): {', '.join(SECTIONS)}")
     args = parser.parse_args()
+    only = {name.strip() for name in args.only.split(",") if name.strip()}
+    if not only or only - set(SECTIONS):
+        parser.error(f"unknown section(s) {sorted(only - set(SECTIONS))}; valid: {', '.join(SECTIONS)}")
     data = Path(args.data_dir)
     report: dict = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                                 "cpus": os.cpu_count(), "torch": torch.__version__,
@@ -216,30 +224,34 @@ def main() -> None:
     lm = FederatedLM.build("smollm2-135m", LoraSettings(), seed=0)
     flan = load_federation("flan", str(data / "flan"), None, 42, None, 64)
     dolly = load_federation("dolly", str(data / "dolly" / "databricks-dolly-15k.jsonl"), None, 42, None, None)
-    report["train_flan"] = bench_training(lm, flan, 4, args.steps, 1024, peak)
-    report["train_dolly"] = bench_training(lm, dolly, 4, args.steps, 1024, peak)
-    report["mfu"] = report["train_flan"]["mfu"]
-    for key in ("train_flan", "train_dolly"):
-        r = report[key]
-        print(f"{key}: {r['tokens_per_s']:.0f} tok/s, {r['gflops']:.1f} GFLOP/s, MFU {r['mfu']:.1%}")
+    if "train" in only:
+        report["train_flan"] = bench_training(lm, flan, 4, args.steps, 1024, peak)
+        report["train_dolly"] = bench_training(lm, dolly, 4, args.steps, 1024, peak)
+        report["mfu"] = report["train_flan"]["mfu"]
+        for key in ("train_flan", "train_dolly"):
+            r = report[key]
+            print(f"{key}: {r['tokens_per_s']:.0f} tok/s, {r['gflops']:.1f} GFLOP/s, MFU {r['mfu']:.1%}")
 
     base = {"model": "smollm2-135m", "rounds": 2, "eval": {"base_model": False}}
     for name, data_cfg in (("flan", {"name": "flan", "dir": str(data / "flan"), "max_test": 1}),
                            ("dolly", {"name": "dolly", "dir": str(data / "dolly" / "databricks-dolly-15k.jsonl"),
                                       "max_test": 1})):
+        if f"round_{name}" not in only:
+            continue
         r = report[f"round_{name}"] = bench_round({**base, "data": data_cfg})
         print(f"round_{name}: {r['seconds']:.1f} s, {r['non_pad_tokens_per_s']:.0f} non-pad tok/s, "
               f"overhead {r['overhead_share']:.1%}, checkpoint {r['checkpoint_mb']:.0f} MB, peak RSS {r['peak_rss_gb']:.2f} GB")
 
     test = [ex for c in flan for ex in c.test[:16]]
-    report["generation_flan"] = bench_generation(lm, test, 128, 64, single=16)
-    g = report["generation_flan"]
-    print(f"generation: batched {g['batched_examples_per_s']:.2f} ex/s vs single {g['single_examples_per_s']:.2f} ex/s "
-          f"= {g['speedup_batched_vs_single']:.1f}x; same 16 prompts: {g['speedup_same_prompts']:.1f}x, identical={g['identical_outputs']}")
+    if "generation" in only:
+        report["generation_flan"] = bench_generation(lm, test, 128, 64, single=16)
+        g = report["generation_flan"]
+        print(f"generation: batched {g['batched_examples_per_s']:.2f} ex/s vs single {g['single_examples_per_s']:.2f} ex/s "
+              f"= {g['speedup_batched_vs_single']:.1f}x; same 16 prompts: {g['speedup_same_prompts']:.1f}x, identical={g['identical_outputs']}")
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")  # kept if the memory step fails
-    if not args.skip_memory:
+    if "memory" in only and not args.skip_memory:
         report["peak_rss_gb"] = {"4_clients": peak_memory(4, data / "flan"), "8_clients": peak_memory(8, data / "flan")}
         print(f"peak RSS: {report['peak_rss_gb']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
