@@ -187,9 +187,13 @@ def _start(config_file: Path, out: Path) -> subprocess.Popen:
            # the thread count of this process, which runs the reference and the resumed part: another
            # count changes the order of float sums, and the comparison is exact
            "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    # SIGINT at its default in the run (Python then raises KeyboardInterrupt): a test suite started
+    # in the background by a non-interactive shell (nohup, `cmd &`) inherits SIGINT ignored, and the
+    # run rightly keeps ignoring it, which the Ctrl-C test would take for a bug
     return subprocess.Popen([sys.executable, "-m", "pflalign", "run", "--config", str(config_file),
                              "--out", str(out), "--no-progress"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _in_round_3(proc: subprocess.Popen, out: Path, timeout: float = 120) -> None:
