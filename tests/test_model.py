@@ -24,13 +24,16 @@ def test_response_only_loss_equals_full_masked_loss(family, request):
     assert ours.item() == pytest.approx(reference.item(), abs=1e-6)
 
 
+@pytest.mark.parametrize("segments", [True, False])  # per-example attention (attention.py) or a block-diagonal mask
 @pytest.mark.parametrize("pack_tokens", [1, 80, 512])  # one example per row, rows of 1-2, all in one row
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_opt"])
-def test_unpadded_step_equals_padded_batch_step(family, pack_tokens, request):
-    """The CPU path (no pad tokens; examples packed into rows under a block-diagonal
-    mask) gives the padded batch's loss and gradients."""
+def test_unpadded_step_equals_padded_batch_step(family, pack_tokens, segments, request):
+    """The CPU path (no pad tokens; examples packed into rows that attend per example)
+    gives the padded batch's loss and gradients."""
     lm = request.getfixturevalue(family)
+    assert lm.segment_attention  # both tiny models run SDPA, so they get the segment-aware version
     saved = lm.get_lora()
+    lm.segment_attention = segments
     try:
         lm.set_lora({n: t + 0.05 * torch.randn_like(t) for n, t in saved.items()})  # B != 0: every grad nonzero
         examples = [Example("Sort: 3, 1, 2", "1, 2, 3"), Example("Upper: abc def ghi jkl", "ABC DEF GHI JKL"),
@@ -38,6 +41,8 @@ def test_unpadded_step_equals_padded_batch_step(family, pack_tokens, request):
         batch = collate_train([encode_train(lm.tokenizer, e, 128) for e in examples], lm.tokenizer.pad_token_id)
         assert len(set(batch["attention_mask"].sum(1).tolist())) == 3  # three lengths: padding is real
         assert len(pack_rows(batch, 512)) == 1 and len(pack_rows(batch, 1)) == 3
+        packed = pack_rows(batch, 512, segments=segments)[0]
+        assert (packed["attention_mask"] is None) == segments and ("segment_lengths" in packed) == segments
         loss_p, grads_p = lm.loss_and_grads(batch, unpadded=False)
         grads_p = {n: g.clone() for n, g in grads_p.items()}
         loss_u, grads_u = lm.loss_and_grads(batch, unpadded=True, pack_tokens=pack_tokens)
@@ -46,6 +51,7 @@ def test_unpadded_step_equals_padded_batch_step(family, pack_tokens, request):
             torch.testing.assert_close(grads_u[n], grads_p[n], rtol=1e-4, atol=1e-7)
     finally:
         lm.set_lora(saved)
+        lm.segment_attention = True
 
 
 @pytest.mark.parametrize("family,modules", [

@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .attention import use_segment_attention
 from .errors import UserError
+from .head_loss import head_cross_entropy_sum
 from .prompts import IGNORE
 
 log = logging.getLogger(__name__)
@@ -202,6 +204,7 @@ class FederatedLM:
     model: torch.nn.Module
     tokenizer: object
     lora: dict[str, torch.nn.Parameter] = field(default_factory=dict)
+    segment_attention: bool = False  # packed rows attend per example (attention.py), not under a mask
 
     @classmethod
     def build(cls, spec: str, lora: LoraSettings, seed: int, dtype=torch.float32, device="cpu"):
@@ -210,6 +213,7 @@ class FederatedLM:
         base, tok = load_base_model(spec, dtype)
         for p in base.parameters():
             p.requires_grad_(False)
+        segments = use_segment_attention(base)
         config = LoraConfig(
             r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
             target_modules="all-linear" if lora.target_modules == ["all-linear"] else lora.target_modules, bias="none", task_type="CAUSAL_LM",
@@ -220,7 +224,7 @@ class FederatedLM:
             model = get_peft_model(base, config)
         model.to(device).eval()
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        return cls(model=model, tokenizer=tok, lora=params)
+        return cls(model=model, tokenizer=tok, lora=params, segment_attention=segments)
 
     @property
     def device(self) -> torch.device:
@@ -284,9 +288,10 @@ class FederatedLM:
         The loss is the batch's mean over its response tokens. On CPU
         (`unpadded` None or True) no work is spent on pad tokens: the examples,
         cut to their true lengths, are packed into rows of at most
-        `pack_tokens` tokens (a longer example gets a row of its own) where a
-        block-diagonal causal mask and restarted positions keep each example
-        to itself; each row's summed loss is divided by the batch's count of
+        `pack_tokens` tokens (a longer example gets a row of its own) where
+        per-example attention (attention.py; a block-diagonal causal mask
+        for models that do not run SDPA) and restarted positions keep each
+        example to itself; each row's summed loss is divided by the batch's count of
         response tokens and the gradients accumulate. This is the padded
         batch's loss and gradient (tested), with larger matrices than one
         example at a time and only one row's activations alive at once. On
@@ -304,7 +309,7 @@ class FederatedLM:
         else:
             count = int((batch["labels"][:, 1:] != IGNORE).sum())
             value = 0.0
-            for row in pack_rows(batch, pack_tokens, self.dtype):
+            for row in pack_rows(batch, pack_tokens, self.dtype, segments=self.segment_attention):
                 total, _ = self._loss_sum(**row)
                 share = total / count
                 share.backward()
@@ -312,27 +317,35 @@ class FederatedLM:
         grads = {n: p.grad for n, p in self.lora.items()}
         return value, grads
 
-    def _loss_sum(self, input_ids, attention_mask, labels, position_ids=None) -> tuple[torch.Tensor, int]:
+    def _loss_sum(self, input_ids, attention_mask, labels, position_ids=None,
+                  segment_lengths=None) -> tuple[torch.Tensor, int]:
         """(sum of the response tokens' cross-entropies, their number)."""
         base = self.model.get_base_model()
         backbone = getattr(base, base.base_model_prefix)
         extra = {} if position_ids is None else {"position_ids": position_ids}
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+        if segment_lengths is not None:
+            extra["segment_lengths"] = segment_lengths
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).last_hidden_state
         targets = labels[:, 1:]
         keep = targets != IGNORE
-        logits = base.get_output_embeddings()(hidden[:, :-1][keep])
+        head = base.get_output_embeddings()
+        if type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad:
+            # frozen head: logits never kept for backward (head_loss.py)
+            return head_cross_entropy_sum(hidden[:, :-1][keep], head.weight, targets[keep]), int(keep.sum())
+        logits = head(hidden[:, :-1][keep])
         return F.cross_entropy(logits.float(), targets[keep], reduction="sum"), int(keep.sum())
 
 
-def pack_rows(batch: dict[str, torch.Tensor], max_tokens: int,
-              dtype: torch.dtype = torch.float32) -> list[dict[str, torch.Tensor]]:
+def pack_rows(batch: dict[str, torch.Tensor], max_tokens: int, dtype: torch.dtype = torch.float32,
+              segments: bool = False) -> list[dict[str, torch.Tensor]]:
     """The examples of a right-padded batch without their padding, packed in order
     into rows of at most `max_tokens` tokens.
 
-    A row of several examples carries a block-diagonal causal mask (additive
-    float, 4-D, which both sdpa and eager attention accept) and positions that
-    restart at 0 per example; a row of one example carries no mask at all, so
-    attention takes its plain causal path.
+    A row of several examples carries positions that restart at 0 per example
+    and either the lengths of its examples (`segments`: for the segment-aware
+    attention of attention.py) or a block-diagonal causal mask (additive
+    float, 4-D, which both sdpa and eager attention accept). A row of one
+    example carries neither, so attention takes its plain causal path.
     """
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     groups: list[list[int]] = []
@@ -356,6 +369,10 @@ def pack_rows(batch: dict[str, torch.Tensor], max_tokens: int,
             own[0] = IGNORE  # never predicted from the previous example's last token
             labels.append(own)
         positions = torch.cat([torch.arange(lengths[i], device=ids.device) for i in group])[None]
+        if segments:
+            rows.append({"input_ids": ids, "attention_mask": None, "labels": torch.cat(labels)[None],
+                         "position_ids": positions, "segment_lengths": [lengths[i] for i in group]})
+            continue
         segment = torch.cat([torch.full((lengths[i],), k, device=ids.device) for k, i in enumerate(group)])
         n = ids.shape[1]
         allowed = (segment[:, None] == segment[None, :]) & torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
