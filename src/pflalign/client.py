@@ -27,38 +27,34 @@ class GradientStats:
     ``gsnr_mean`` — the mean of GSNR_i over the coordinates kept;
     ``gsnr_ratio`` — ‖mean g‖² / Σ_i var(g_i) over all coordinates.
     Both are None with fewer than two steps (no variance).
+    The gradients are kept as one flat vector (all tensors concatenated), so
+    each update is a few whole-vector operations whatever the number of tensors.
     """
 
     def __init__(self):
         self.count = 0
-        self.mean: dict[str, torch.Tensor] = {}
-        self.m2: dict[str, torch.Tensor] = {}
+        self.mean: torch.Tensor | None = None
+        self.m2: torch.Tensor | None = None
 
     @torch.no_grad()
     def add(self, grads: Params) -> None:
+        g = torch.cat([t.detach().reshape(-1) for t in grads.values()]).to(torch.float64)
         self.count += 1
-        for n, g in grads.items():
-            g = g.detach().to(torch.float64)
-            if n not in self.mean:
-                self.mean[n] = torch.zeros_like(g)
-                self.m2[n] = torch.zeros_like(g)
-            delta = g - self.mean[n]
-            self.mean[n].add_(delta / self.count)
-            self.m2[n].add_(delta * (g - self.mean[n]))
+        if self.mean is None:
+            self.mean, self.m2 = torch.zeros_like(g), torch.zeros_like(g)
+        delta = g - self.mean
+        self.mean.add_(delta / self.count)
+        self.m2.add_(delta * (g - self.mean))
 
     def summary(self) -> tuple[float | None, float | None]:
         if self.count < 2:
             return None, None
-        gsnr_sum, kept, mean_sq, var_sum = 0.0, 0, 0.0, 0.0
-        for n, mean in self.mean.items():
-            var = self.m2[n] / (self.count - 1)
-            nonzero = var > 0
-            gsnr_sum += float((mean[nonzero] ** 2 / var[nonzero]).sum())
-            kept += int(nonzero.sum())
-            mean_sq += float((mean**2).sum())
-            var_sum += float(var.sum())
-        gsnr_mean = gsnr_sum / kept if kept else None
-        gsnr_ratio = mean_sq / var_sum if var_sum > 0 else None
+        var = self.m2 / (self.count - 1)
+        nonzero = var > 0
+        kept = int(nonzero.sum())
+        gsnr_mean = float((self.mean[nonzero] ** 2 / var[nonzero]).sum()) / kept if kept else None
+        var_sum = float(var.sum())
+        gsnr_ratio = float((self.mean**2).sum()) / var_sum if var_sum > 0 else None
         return gsnr_mean, gsnr_ratio
 
 
@@ -85,7 +81,15 @@ class ClientRound:
 
 
 def _non_finite(params: Params) -> str | None:
-    """The name of the first tensor holding a NaN or Inf, if any."""
+    """The name of the first tensor holding a NaN or Inf, if any.
+
+    One multi-tensor norm first (a NaN or Inf anywhere makes its tensor's norm
+    non-finite): the per-tensor search runs only when that sees something, so
+    the usual case costs one call instead of one check and sync per tensor.
+    """
+    tensors = [p.detach() for p in params.values()]
+    if not tensors or torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all():
+        return None
     return next((n for n, p in params.items() if not torch.isfinite(p).all()), None)
 
 
