@@ -206,7 +206,6 @@ def main() -> None:
     parser.add_argument("--data-dir", required=True, help="folder with flan/ and dolly/ (e.g. ../shared/data)")
     parser.add_argument("--out", default="benchmarks/results/latest.json")
     parser.add_argument("--steps", type=int, default=8, help="timed training steps per dataset")
-    parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run (default: all): {', '.join(SECTIONS)}")
     args = parser.parse_args()
@@ -251,7 +250,7 @@ def main() -> None:
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")  # kept if the memory step fails
-    if "memory" in only and not args.skip_memory:
+    if "memory" in only:
         report["peak_rss_gb"] = {"4_clients": peak_memory(4, data / "flan"), "8_clients": peak_memory(8, data / "flan")}
         print(f"peak RSS: {report['peak_rss_gb']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,24 @@ def test_gsnr_by_hand():
     assert gsnr_ratio == pytest.approx((4 + 9 + 0) / (1 + 3 + 0))
 
 
+def test_gsnr_equals_two_pass_mean_and_variance():
+    """Welford's running update against torch.var_mean over the stacked steps, with
+    a frozen (always zero) tensor whose coordinates must be left out."""
+    gen = torch.Generator().manual_seed(0)
+    steps = [{"a": torch.randn(40, 16, generator=gen) + 0.3, "b": torch.randn(16, 7, generator=gen),
+              "frozen": torch.zeros(5)} for _ in range(5)]
+    stats = GradientStats()
+    for g in steps:
+        stats.add(g)
+    flat = torch.stack([torch.cat([t.reshape(-1) for t in g.values()]) for g in steps]).double()
+    var, mean = torch.var_mean(flat, dim=0)
+    kept = var > 0
+    assert int(kept.sum()) == 40 * 16 + 16 * 7
+    gsnr_mean, gsnr_ratio = stats.summary()
+    assert gsnr_mean == pytest.approx(float((mean[kept] ** 2 / var[kept]).mean()), rel=1e-12)
+    assert gsnr_ratio == pytest.approx(float((mean**2).sum() / var.sum()), rel=1e-12)
+
+
 def test_gsnr_needs_two_steps():
     stats = GradientStats()
     stats.add({"a": torch.tensor([1.0])})

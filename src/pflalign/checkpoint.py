@@ -120,7 +120,10 @@ class _HashingWriter:
 # decide which file to keep (a rename keeps all four). Only saving uses them:
 # loading always hashes from disk, so a file damaged after it was written is
 # never vouched for, even by a stale entry here.
+# Only the newest few are kept: a save needs the previous round's file, and a
+# sweep in one process writes into several run folders.
 _written: dict[tuple[int, int, int, int], str] = {}
+_WRITTEN_KEPT = 16
 
 
 def _stat_key(path: Path) -> tuple[int, int, int, int]:
@@ -205,6 +208,8 @@ def save_run_checkpoint(out: Path, payload: dict) -> None:
 
         def vouch_then_shift(tmp: Path) -> None:
             _written[_stat_key(tmp)] = written["sha256"]
+            while len(_written) > _WRITTEN_KEPT:
+                del _written[next(iter(_written))]  # the oldest entry (dicts keep insertion order)
             entries = [{"file": CHECKPOINT, **written, "rounds_done": payload["rounds_done"]}]
             if keep is not None:
                 entries.append({**keep[1], "file": PREVIOUS})

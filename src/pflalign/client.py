@@ -27,34 +27,43 @@ class GradientStats:
     ``gsnr_mean`` — the mean of GSNR_i over the coordinates kept;
     ``gsnr_ratio`` — ‖mean g‖² / Σ_i var(g_i) over all coordinates.
     Both are None with fewer than two steps (no variance).
-    The gradients are kept as one flat vector (all tensors concatenated), so
-    each update is a few whole-vector operations whatever the number of tensors.
+
+    Tensor by tensor on purpose: a LoRA tensor stays in cache through the few
+    operations of an update, which measured 4× faster than the same updates on
+    one concatenated vector and than torch._foreach_* over the list (both stream
+    every operation through memory); the summary syncs once, not per tensor.
     """
 
     def __init__(self):
         self.count = 0
-        self.mean: torch.Tensor | None = None
-        self.m2: torch.Tensor | None = None
+        self.mean: dict[str, torch.Tensor] = {}
+        self.m2: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
     def add(self, grads: Params) -> None:
-        g = torch.cat([t.detach().reshape(-1) for t in grads.values()]).to(torch.float64)
         self.count += 1
-        if self.mean is None:
-            self.mean, self.m2 = torch.zeros_like(g), torch.zeros_like(g)
-        delta = g - self.mean
-        self.mean.add_(delta / self.count)
-        self.m2.add_(delta * (g - self.mean))
+        for n, g in grads.items():
+            if n not in self.mean:
+                self.mean[n] = torch.zeros(g.shape, dtype=torch.float64, device=g.device)
+                self.m2[n] = torch.zeros(g.shape, dtype=torch.float64, device=g.device)
+            mean = self.mean[n]
+            delta = g.detach() - mean  # float64 by type promotion
+            mean.add_(delta, alpha=1.0 / self.count)
+            self.m2[n].addcmul_(delta, g.detach() - mean)
 
     def summary(self) -> tuple[float | None, float | None]:
         if self.count < 2:
             return None, None
-        var = self.m2 / (self.count - 1)
-        nonzero = var > 0
-        kept = int(nonzero.sum())
-        gsnr_mean = float((self.mean[nonzero] ** 2 / var[nonzero]).sum()) / kept if kept else None
-        var_sum = float(var.sum())
-        gsnr_ratio = float((self.mean**2).sum()) / var_sum if var_sum > 0 else None
+        # Σ GSNR_i over kept coordinates, their number, ‖mean‖², Σ var
+        totals = torch.zeros(4, dtype=torch.float64, device=next(iter(self.mean.values())).device)
+        for n, mean in self.mean.items():
+            var = self.m2[n] / (self.count - 1)
+            square = mean * mean
+            kept = var > 0
+            totals += torch.stack([torch.where(kept, square / var, 0.0).sum(), kept.sum(), square.sum(), var.sum()])
+        gsnr_sum, kept, mean_sq, var_sum = totals.tolist()
+        gsnr_mean = gsnr_sum / kept if kept else None
+        gsnr_ratio = mean_sq / var_sum if var_sum > 0 else None
         return gsnr_mean, gsnr_ratio
 
 

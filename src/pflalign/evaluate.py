@@ -55,9 +55,10 @@ def greedy_batch(model, ids: torch.Tensor, mask: torch.Tensor, eos: list[int], m
         out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
                     use_cache=True, logits_to_keep=1)  # logits of the last position only
         cache, tokens = out.past_key_values, out.logits[:, -1].argmax(-1)
-        for row, token in zip(alive, tokens.tolist()):
+        picked = tokens.tolist()
+        for row, token in zip(alive, picked):
             answers[row].append(token)
-        keep = [k for k, token in enumerate(tokens.tolist()) if token not in eos]
+        keep = [k for k, token in enumerate(picked) if token not in eos]
         if not keep or step == max_new_tokens - 1:
             break
         if len(keep) < len(alive):  # shrink every per-row tensor to the rows still running

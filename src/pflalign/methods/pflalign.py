@@ -61,28 +61,6 @@ def gamma_erf(m: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, eps: float)
     return 0.5 - 0.5 * torch.erf(m.abs() / spread) * torch.sign(-m * delta)
 
 
-def _foreach_gamma_erf(m: list, v: list, delta: list, eps: float) -> list:
-    """`gamma_erf` over lists of tensors, with the same operations in the same order."""
-    spread = torch._foreach_mul(m, m)
-    torch._foreach_neg_(spread)
-    torch._foreach_add_(spread, v)  # v − m²
-    torch._foreach_clamp_min_(spread, 0.0)
-    torch._foreach_mul_(spread, 2.0)
-    torch._foreach_add_(spread, eps)
-    torch._foreach_sqrt_(spread)
-    gamma = torch._foreach_abs(m)
-    torch._foreach_div_(gamma, spread)
-    torch._foreach_erf_(gamma)
-    torch._foreach_mul_(gamma, 0.5)
-    direction = torch._foreach_neg(m)  # sign(−m Δ)
-    torch._foreach_mul_(direction, delta)
-    torch._foreach_sign_(direction)
-    torch._foreach_mul_(gamma, direction)
-    torch._foreach_neg_(gamma)
-    torch._foreach_add_(gamma, 0.5)  # 0.5 − 0.5 erf(·) sign(·)
-    return gamma
-
-
 class PFLAlign(Method):
     name = "pflalign"
     Args = PFLAlignArgs
@@ -96,57 +74,32 @@ class PFLAlign(Method):
             return clone(global_params)
         return {n: w + state["delta"][n] for n, w in global_params.items()}
 
-    def _gamma(self, m: list, v: list, delta: list) -> list:
-        """γ for every tensor (lists of tensors, as torch._foreach_* takes them)."""
+    def _gamma(self, m, v, delta):
         rule = self.args.gamma
         if rule == "erf":
-            return _foreach_gamma_erf(m, v, delta, self.args.eps)
+            return gamma_erf(m, v, delta, self.args.eps)
         if rule == "hard":
-            gamma = torch._foreach_mul(m, delta)
-            torch._foreach_sign_(gamma)
-            torch._foreach_mul_(gamma, 0.5)
-            torch._foreach_add_(gamma, 0.5)
-            return gamma
-        return [torch.full_like(t, 0.5 if rule == "const" else 0.0) for t in m]
+            return 0.5 + 0.5 * torch.sign(m * delta)
+        return torch.full_like(m, 0.5 if rule == "const" else 0.0)
 
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
-        """One step of Algorithm 1 on all tensors at once: torch._foreach_* runs each
-        element-wise operation over the list of tensors in one call (as torch.optim's
-        foreach implementations do), instead of ~15 Python-level calls per tensor.
-        The operations and their order are those of the formulas in the module docstring."""
         with torch.enable_grad():
             loss, grads = grad_fn()
         beta, eps, T = self.args.beta, self.args.eps, ctx.num_steps
-        names = list(params)
-        w, g = [params[n] for n in names], [grads[n] for n in names]
-        m, v, P, delta = ([state[key][n] for n in names] for key in ("m", "v", "P", "delta"))
-        torch._foreach_mul_(m, beta)
-        torch._foreach_add_(m, g, alpha=1 - beta)
-        torch._foreach_mul_(v, beta)
-        torch._foreach_addcmul_(v, g, g, value=1 - beta)
-        if self.args.precondition:
-            v_eps = torch._foreach_add(v, eps)
-            alpha = torch._foreach_mul(g, 1 - beta)  # α = 1 − (1−β) g² / (v + ε)
-            torch._foreach_mul_(alpha, g)
-            torch._foreach_div_(alpha, v_eps)
-            torch._foreach_neg_(alpha)
-            torch._foreach_add_(alpha, 1.0)
-            gain = torch._foreach_mul(m, 1 - beta)  # (1−β) m² / (v + ε)
-            torch._foreach_mul_(gain, m)
-            torch._foreach_div_(gain, v_eps)
-            torch._foreach_mul_(P, alpha)  # P = α P + (1−β) m² / (v + ε)
-            torch._foreach_add_(P, gain)
-            step = torch._foreach_mul(P, ctx.lr)  # w −= η P g
-            torch._foreach_mul_(step, g)
-            torch._foreach_sub_(w, step)
-        else:
-            torch._foreach_sub_(w, torch._foreach_mul(g, ctx.lr))
-        if self.args.personal_init:
-            correction = self._gamma(m, v, delta)  # w −= γ Δ / T
-            torch._foreach_mul_(correction, delta)
-            torch._foreach_div_(correction, T)
-            torch._foreach_sub_(w, correction)
+        for n, w in params.items():
+            g = grads[n]
+            m, v, P, delta = state["m"][n], state["v"][n], state["P"][n], state["delta"][n]
+            m.mul_(beta).add_(g, alpha=1 - beta)
+            v.mul_(beta).addcmul_(g, g, value=1 - beta)
+            if self.args.precondition:
+                alpha = 1.0 - (1 - beta) * g * g / (v + eps)
+                P.mul_(alpha).add_((1 - beta) * m * m / (v + eps))
+                w.sub_(ctx.lr * P * g)
+            else:
+                w.sub_(ctx.lr * g)
+            if self.args.personal_init:
+                w.sub_(self._gamma(m, v, delta) * delta / T)
         return loss
 
     def client_end(self, global_params: Params, params: Params, state: State) -> Message:
