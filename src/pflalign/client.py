@@ -29,9 +29,10 @@ class GradientStats:
     Both are None with fewer than two steps (no variance).
 
     Tensor by tensor on purpose: a LoRA tensor stays in cache through the few
-    operations of an update, which measured 4× faster than the same updates on
-    one concatenated vector and than torch._foreach_* over the list (both stream
-    every operation through memory); the summary syncs once, not per tensor.
+    operations of an update. For SmolLM2's 420 LoRA tensors, 5 updates and a
+    summary took 125 ms this way and 500 ms on one concatenated vector, where
+    every operation streams all coordinates through memory. The summary syncs
+    once, not per tensor.
     """
 
     def __init__(self):
