@@ -44,13 +44,14 @@ class GradientStats:
     def add(self, grads: Params) -> None:
         self.count += 1
         for n, g in grads.items():
+            g = g.detach()
             if n not in self.mean:
                 self.mean[n] = torch.zeros(g.shape, dtype=torch.float64, device=g.device)
                 self.m2[n] = torch.zeros(g.shape, dtype=torch.float64, device=g.device)
             mean = self.mean[n]
-            delta = g.detach() - mean  # float64 by type promotion
+            delta = g - mean  # float64 by type promotion
             mean.add_(delta, alpha=1.0 / self.count)
-            self.m2[n].addcmul_(delta, g.detach() - mean)
+            self.m2[n].addcmul_(delta, g - mean)
 
     def summary(self) -> tuple[float | None, float | None]:
         if self.count < 2:

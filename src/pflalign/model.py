@@ -326,14 +326,13 @@ class FederatedLM:
         if segment_lengths is not None:
             extra["segment_lengths"] = segment_lengths
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).last_hidden_state
-        targets = labels[:, 1:]
-        keep = targets != IGNORE
+        keep = labels[:, 1:] != IGNORE
+        inputs, targets = hidden[:, :-1][keep], labels[:, 1:][keep]
         head = base.get_output_embeddings()
         if type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad:
             # frozen head: logits never kept for backward (head_loss.py)
-            return head_cross_entropy_sum(hidden[:, :-1][keep], head.weight, targets[keep]), int(keep.sum())
-        logits = head(hidden[:, :-1][keep])
-        return F.cross_entropy(logits.float(), targets[keep], reduction="sum"), int(keep.sum())
+            return head_cross_entropy_sum(inputs, head.weight, targets), len(targets)
+        return F.cross_entropy(head(inputs).float(), targets, reduction="sum"), len(targets)
 
 
 def pack_rows(batch: dict[str, torch.Tensor], max_tokens: int, dtype: torch.dtype = torch.float32,
