@@ -1,5 +1,6 @@
-"""The two training kernels against their unfused definitions: the LM head fused with
-cross-entropy (head_loss.py) and per-example attention for packed rows (attention.py)."""
+"""The training kernels against their unfused definitions: the LM head fused with
+cross-entropy (head_loss.py), per-example attention for packed rows (attention.py)
+and the LoRA SwiGLU MLP that keeps fewer activations (lora_mlp.py)."""
 
 import math
 import types
@@ -12,6 +13,9 @@ from hypothesis import strategies as st
 
 from pflalign.attention import segment_sdpa
 from pflalign.head_loss import head_cross_entropy_sum
+from pflalign.lora_mlp import LoraSwiGLU
+from pflalign.model import FederatedLM, LoraSettings
+from pflalign.prompts import IGNORE
 
 
 @settings(max_examples=25, deadline=None)
@@ -73,3 +77,99 @@ def test_segment_attention_rejects_lengths_that_do_not_cover_the_row():
     q = torch.randn(1, 2, 6, 4)
     with pytest.raises(ValueError, match="segment_lengths"):
         segment_sdpa(module, q, q, q, None, segment_lengths=[2, 2])
+
+
+def _lora_mlp_reference(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, s):
+    """PEFT's LoRA linear (W x + s B(A x)) three times, around LlamaMLP's silu(gate) * up."""
+    def lora(v, w, a, b):
+        return F.linear(v, w) + F.linear(F.linear(v, a), b) * s
+    return lora(F.silu(lora(x, w_gate, a_gate, b_gate)) * lora(x, w_up, a_up, b_up), w_down, a_down, b_down)
+
+
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(1, 12), d=st.integers(1, 10), d_ff=st.integers(1, 14), r=st.integers(1, 4),
+       scaling=st.floats(0.1, 4.0), frozen_a=st.booleans(), seed=st.integers(0, 2**16))
+def test_lora_swiglu_equals_the_unfused_mlp(tokens, d, d_ff, r, scaling, frozen_a, seed):
+    """Output and every gradient (input, A and B of the three projections) equal autograd
+    through the unfused composition, in float64; a frozen A (FFA-LoRA) gets no gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    x = rand(2, tokens, d).requires_grad_()
+    weights = []
+    for d_in, d_out in ((d, d_ff), (d, d_ff), (d_ff, d)):
+        weights += [rand(d_out, d_in), rand(r, d_in).requires_grad_(not frozen_a), rand(d_out, r).requires_grad_()]
+    trainable = [x] + [w for w in weights if w.requires_grad]
+    upstream = rand(2, tokens, d)
+    ours = LoraSwiGLU.apply(x, *weights, scaling)
+    reference = _lora_mlp_reference(x, *weights, scaling)
+    torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
+    for g_ours, g_ref in zip(torch.autograd.grad(ours, trainable, upstream),
+                             torch.autograd.grad(reference, trainable, upstream)):
+        torch.testing.assert_close(g_ours, g_ref, rtol=1e-10, atol=1e-12)
+    if frozen_a:
+        ours = LoraSwiGLU.apply(x, *weights, scaling)
+        ours.backward(upstream)
+        assert all(weights[i].grad is None for i in (1, 4, 7))
+
+
+def _unfused(lm, monkeypatch):
+    for module in lm.model.modules():
+        if hasattr(module, "_pflalign_unfused_forward"):
+            monkeypatch.setattr(module, "forward", module._pflalign_unfused_forward)
+
+
+def _packed_row(lm):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, len(lm.tokenizer), (1, 24), generator=gen)
+    labels = ids.clone()
+    labels[:, :6] = IGNORE
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def test_fused_mlp_model_step_equals_peft_step_and_saves_two_d_ff_tensors_fewer(monkeypatch):
+    """On the tiny Llama: the same loss and LoRA gradients as PEFT's modules (float64), and
+    per layer and token exactly silu(g) and h fewer activations kept for backward."""
+    fused = FederatedLM.build("tiny-llama", LoraSettings(r=4, alpha=8), seed=0)
+    assert fused.fused_mlps == fused.model.config.num_hidden_layers
+    fused.model.double()
+    with torch.no_grad():
+        for p in fused.lora.values():
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))  # B != 0: every gradient nonzero
+    batch = _packed_row(fused)
+
+    def step(lm):
+        saved = {}
+        def keep(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss, grads = lm.loss_and_grads(batch)
+        params = {p.untyped_storage().data_ptr() for p in lm.model.parameters()}
+        return loss, {n: g.clone() for n, g in grads.items()}, sum(v for k, v in saved.items() if k not in params)
+
+    loss_f, grads_f, kept_f = step(fused)
+    _unfused(fused, monkeypatch)
+    loss_u, grads_u, kept_u = step(fused)
+    assert loss_f == pytest.approx(loss_u, rel=1e-14)
+    assert grads_f.keys() == grads_u.keys()
+    for n in grads_u:
+        assert grads_u[n].abs().max() > 0
+        torch.testing.assert_close(grads_f[n], grads_u[n], rtol=1e-10, atol=1e-14)
+    cfg = fused.model.config
+    assert kept_u - kept_f == cfg.num_hidden_layers * 2 * 24 * cfg.intermediate_size * 8  # float64 bytes
+
+
+def test_fused_mlp_forward_is_bit_identical_and_off_without_gradients(tiny_llama, monkeypatch):
+    """The fused forward runs PEFT's operations in PEFT's order (equal bits, float32); with
+    gradients off (generation, evaluation) the modules run unfused."""
+    batch = _packed_row(tiny_llama)
+    calls, forward = [], LoraSwiGLU.forward
+    monkeypatch.setattr(LoraSwiGLU, "forward", staticmethod(lambda ctx, *args: calls.append(1) or forward(ctx, *args)))
+    with torch.no_grad():
+        tiny_llama.model(input_ids=batch["input_ids"])
+    assert not calls
+    fused = tiny_llama.model(input_ids=batch["input_ids"]).logits
+    assert calls
+    monkeypatch.undo()
+    _unfused(tiny_llama, monkeypatch)
+    assert torch.equal(fused, tiny_llama.model(input_ids=batch["input_ids"]).logits)

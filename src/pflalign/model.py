@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import use_segment_attention
+from .lora_mlp import use_fused_lora_mlp
 from .errors import UserError
 from .head_loss import head_cross_entropy_sum
 from .prompts import IGNORE
@@ -205,6 +206,7 @@ class FederatedLM:
     tokenizer: object
     lora: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     segment_attention: bool = False  # packed rows attend per example (attention.py), not under a mask
+    fused_mlps: int = 0  # MLPs whose LoRA projections train through lora_mlp.LoraSwiGLU
 
     @classmethod
     def build(cls, spec: str, lora: LoraSettings, seed: int, dtype=torch.float32, device="cpu"):
@@ -223,8 +225,9 @@ class FederatedLM:
             torch.manual_seed(seed)  # the LoRA A init is the only randomness in the model
             model = get_peft_model(base, config)
         model.to(device).eval()
+        fused = use_fused_lora_mlp(model)
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        return cls(model=model, tokenizer=tok, lora=params, segment_attention=segments)
+        return cls(model=model, tokenizer=tok, lora=params, segment_attention=segments, fused_mlps=fused)
 
     @property
     def device(self) -> torch.device:
@@ -296,9 +299,18 @@ class FederatedLM:
         batch's loss and gradient (tested), with larger matrices than one
         example at a time and only one row's activations alive at once. On
         GPU the padded batch runs in one call, which keeps the device busy.
+
+        The returned gradients are the adapter's ``.grad`` buffers, allocated
+        once and overwritten by the next call (clone what must outlive it).
+        Allocating them anew in each backward, between the activations of the
+        first row, left glibc's heap in pieces that a longer row's tensors
+        did not fit, which raised the peak memory of Dolly steps.
         """
         for p in self.lora.values():
-            p.grad = None
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
         batch = {k: v.to(self.device) for k, v in batch.items()}
         if unpadded is None:
             unpadded = self.device.type == "cpu"
