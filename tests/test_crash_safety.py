@@ -50,6 +50,41 @@ def test_two_checkpoints_and_a_manifest(tmp_path):
     assert ckpt.load_run_checkpoint(tmp_path)["rounds_done"] == 3
 
 
+def test_adapter_dicts_are_stored_as_one_record_each_and_come_back_equal(tmp_path):
+    """Dicts of tensors are written as one flat tensor each (the checkpoint is ~7,000
+    tensors otherwise) and load back with the same names, order, shapes and values;
+    a dict that shares memory with another part of the payload, or mixes dtypes, is
+    stored as it is, so sharing survives a save and load as torch.save keeps it."""
+    gen = torch.Generator().manual_seed(0)
+    adapter = {"b": torch.randn(3, 2, generator=gen), "a": torch.randn(4, generator=gen), "c": torch.randn(1, 5, generator=gen)}
+    flat = torch.arange(10.0)
+    views = {"x": flat[:4].view(2, 2), "y": flat[4:]}  # a dict rebuilt by a previous load: views of one buffer
+    common = torch.ones(2)
+    payload = {
+        "rounds_done": 1, "metrics_offset": 0, "torch_rng": torch.get_rng_state(),
+        "global": adapter, "clients": [{"state": {"v": views}, "steps_taken": 3}],
+        "mixed": {"f": torch.zeros(2), "d": torch.zeros(2, dtype=torch.float64)},
+        "shared_1": {"p": common, "q": torch.zeros(2)}, "shared_2": {"p": common, "r": torch.zeros(2)},
+    }
+    packed = ckpt.pack_tensors(payload)
+    assert set(packed["global"]) == {ckpt.PACKED, "names", "shapes"}
+    assert set(packed["clients"][0]["state"]["v"]) == {ckpt.PACKED, "names", "shapes"}
+    assert ckpt.PACKED not in packed["mixed"] and ckpt.PACKED not in packed["shared_1"]
+    ckpt.save_run_checkpoint(tmp_path, payload)
+    back = ckpt.load_run_checkpoint(tmp_path)
+    assert list(back["global"]) == ["b", "a", "c"]
+    for name, t in adapter.items():
+        assert torch.equal(back["global"][name], t) and back["global"][name].shape == t.shape
+    assert torch.equal(back["clients"][0]["state"]["v"]["x"], views["x"])
+    assert torch.equal(back["clients"][0]["state"]["v"]["y"], views["y"])
+    assert back["clients"][0]["steps_taken"] == 3 and torch.equal(back["torch_rng"], payload["torch_rng"])
+    assert back["mixed"]["d"].dtype == torch.float64
+    back["shared_1"]["p"].add_(1.0)  # still one tensor in two places, as it was saved
+    assert torch.equal(back["shared_2"]["p"], torch.full((2,), 2.0))
+    ckpt.save_run_checkpoint(tmp_path, back)  # loaded views pack again
+    assert torch.equal(ckpt.load_run_checkpoint(tmp_path)["global"]["c"], adapter["c"])
+
+
 def test_loading_hashes_from_disk_even_a_file_this_process_wrote(tmp_path, caplog):
     """Saving trusts the checksums of files it wrote itself (same inode, size, mtime);
     loading never does: a byte flipped behind its back, size and mtime put back, is caught."""

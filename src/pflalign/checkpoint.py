@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import tempfile
@@ -65,6 +66,102 @@ def write_json(path: Path, obj) -> None:
 
 def write_jsonl(path: Path, rows) -> None:
     _atomic_write(path, lambda f: f.writelines((json.dumps(r) + "\n").encode() for r in rows))
+
+
+# ---- one record per adapter-shaped dict ---------------------------------------------
+# A run checkpoint holds ~17 dicts of 420 LoRA tensors each (global, client
+# states, personalized adapters). Pickled tensor by tensor that is ~7,000
+# records and ~36,000 small writes: 2.1 s of a FLAN round. Each such dict is
+# stored as one flat tensor with its names and shapes instead, and rebuilt
+# as views of it at load.
+PACKED = "__pflalign_packed__"
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _packable(d: dict, shared: set[int]) -> bool:
+    """All values plain tensors of one dtype and device, none sharing memory with another
+    tensor of the payload or of this dict (sharing would not survive the copy)."""
+    values = list(d.values())
+    if len(values) < 2 or not all(type(t) is torch.Tensor and not t.requires_grad and t.numel() > 0
+                                  and t.layout == torch.strided for t in values):
+        return False
+    if len({(t.dtype, t.device) for t in values}) != 1 or any(_storage(t) in shared for t in values):
+        return False
+    spans = sorted((_storage(t), t.storage_offset() * t.element_size(),
+                    t.storage_offset() * t.element_size() + t.numel() * t.element_size(), t.is_contiguous())
+                   for t in values)
+    return all(contiguous for *_, contiguous in spans) and all(
+        a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))
+
+
+def _dicts_of_tensors(obj, found: list) -> None:
+    if isinstance(obj, dict):
+        if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            found.append(obj)
+        else:
+            for v in obj.values():
+                _dicts_of_tensors(v, found)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _dicts_of_tensors(v, found)
+
+
+def _loose_tensors(obj, found: list) -> None:
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+    elif isinstance(obj, dict) and not (obj and all(isinstance(v, torch.Tensor) for v in obj.values())):
+        for v in obj.values():
+            _loose_tensors(v, found)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _loose_tensors(v, found)
+
+
+def pack_tensors(payload):
+    """`payload` with each packable dict of tensors replaced by one flat tensor plus its names and shapes."""
+    groups: list[dict] = []
+    _dicts_of_tensors(payload, groups)
+    loose: list[torch.Tensor] = []
+    _loose_tensors(payload, loose)
+    seen, shared = set(), set()
+    for storages in [{_storage(t) for t in g.values()} for g in groups] + [{_storage(t)} for t in loose]:
+        shared |= storages & seen
+        seen |= storages
+    packed = {id(g) for g in groups if _packable(g, shared)}
+
+    def walk(obj):
+        if isinstance(obj, dict):
+            if id(obj) in packed:
+                return {PACKED: torch.cat([t.reshape(-1) for t in obj.values()]),
+                        "names": list(obj), "shapes": [list(t.shape) for t in obj.values()]}
+            return {k: walk(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(walk(v) for v in obj)
+        return obj
+    return walk(payload)
+
+
+def unpack_tensors(obj):
+    """The inverse of `pack_tensors`: each packed dict becomes views of its flat tensor."""
+    if isinstance(obj, dict):
+        if PACKED in obj:
+            flat, out, offset = obj[PACKED], {}, 0
+            for name, shape in zip(obj["names"], obj["shapes"]):
+                n = math.prod(shape)
+                out[name] = flat[offset:offset + n].view(shape)
+                offset += n
+            return out
+        return {k: unpack_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [unpack_tensors(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(unpack_tensors(v) for v in obj)
+    return obj
 
 
 def save_checkpoint(path: Path, payload: dict) -> None:
@@ -203,7 +300,7 @@ def save_run_checkpoint(out: Path, payload: dict) -> None:
 
         def write(f) -> None:
             hashing = _HashingWriter(f)
-            torch.save(payload, hashing)
+            torch.save(pack_tensors(payload), hashing)
             written.update(sha256=hashing.sha256.hexdigest(), size=hashing.size)
 
         def vouch_then_shift(tmp: Path) -> None:
@@ -247,7 +344,7 @@ def load_run_checkpoint(out: Path) -> dict:
             problems.append(f"{name} does not match its checksum in {MANIFEST} (truncated or corrupt)")
             continue
         try:
-            payload = load_checkpoint(path)
+            payload = unpack_tensors(load_checkpoint(path))
             rounds_done = payload["rounds_done"]
         except Exception as exc:  # anything torch.load raises on a damaged file
             problems.append(f"{name} cannot be read ({type(exc).__name__})")
