@@ -165,11 +165,12 @@ def unpack_tensors(obj):
 
 
 def save_checkpoint(path: Path, payload: dict) -> None:
-    _atomic_write(path, lambda f: torch.save(payload, f))
+    _atomic_write(path, lambda f: torch.save(pack_tensors(payload), f))
 
 
 def load_checkpoint(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """A file of `save_checkpoint` or `save_run_checkpoint`, its tensor dicts unpacked."""
+    return unpack_tensors(torch.load(path, map_location="cpu", weights_only=True))
 
 
 # ---- the run checkpoint: two generations and a manifest -----------------------------
@@ -344,7 +345,7 @@ def load_run_checkpoint(out: Path) -> dict:
             problems.append(f"{name} does not match its checksum in {MANIFEST} (truncated or corrupt)")
             continue
         try:
-            payload = unpack_tensors(load_checkpoint(path))
+            payload = load_checkpoint(path)
             rounds_done = payload["rounds_done"]
         except Exception as exc:  # anything torch.load raises on a damaged file
             problems.append(f"{name} cannot be read ({type(exc).__name__})")
