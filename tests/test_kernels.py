@@ -88,8 +88,8 @@ def _lora_mlp_reference(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_d
 
 @settings(max_examples=25, deadline=None)
 @given(tokens=st.integers(1, 12), d=st.integers(1, 10), d_ff=st.integers(1, 14), r=st.integers(1, 4),
-       scaling=st.floats(0.1, 4.0), frozen_a=st.booleans(), seed=st.integers(0, 2**16))
-def test_lora_swiglu_equals_the_unfused_mlp(tokens, d, d_ff, r, scaling, frozen_a, seed):
+       scaling=st.floats(0.1, 4.0), frozen_a=st.booleans(), recompute=st.booleans(), seed=st.integers(0, 2**16))
+def test_lora_swiglu_equals_the_unfused_mlp(tokens, d, d_ff, r, scaling, frozen_a, recompute, seed):
     """Output and every gradient (input, A and B of the three projections) equal autograd
     through the unfused composition, in float64; a frozen A (FFA-LoRA) gets no gradient."""
     gen = torch.Generator().manual_seed(seed)
@@ -100,14 +100,14 @@ def test_lora_swiglu_equals_the_unfused_mlp(tokens, d, d_ff, r, scaling, frozen_
         weights += [rand(d_out, d_in), rand(r, d_in).requires_grad_(not frozen_a), rand(d_out, r).requires_grad_()]
     trainable = [x] + [w for w in weights if w.requires_grad]
     upstream = rand(2, tokens, d)
-    ours = LoraSwiGLU.apply(x, *weights, scaling)
+    ours = LoraSwiGLU.apply(x, *weights, scaling, recompute)
     reference = _lora_mlp_reference(x, *weights, scaling)
     torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
     for g_ours, g_ref in zip(torch.autograd.grad(ours, trainable, upstream),
                              torch.autograd.grad(reference, trainable, upstream)):
         torch.testing.assert_close(g_ours, g_ref, rtol=1e-10, atol=1e-12)
     if frozen_a:
-        ours = LoraSwiGLU.apply(x, *weights, scaling)
+        ours = LoraSwiGLU.apply(x, *weights, scaling, recompute)
         ours.backward(upstream)
         assert all(weights[i].grad is None for i in (1, 4, 7))
 
@@ -126,9 +126,10 @@ def _packed_row(lm):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-def test_fused_mlp_model_step_equals_peft_step_and_saves_two_d_ff_tensors_fewer(monkeypatch):
+def test_fused_mlp_model_step_equals_peft_step_and_keeps_two_or_four_d_ff_tensors_fewer(monkeypatch):
     """On the tiny Llama: the same loss and LoRA gradients as PEFT's modules (float64), and
-    per layer and token exactly silu(g) and h fewer activations kept for backward."""
+    per layer and token exactly silu(g) and h fewer activations kept for backward, or
+    also g and u on a row over the recompute limit."""
     fused = FederatedLM.build("tiny-llama", LoraSettings(r=4, alpha=8), seed=0)
     assert fused.fused_mlps == fused.model.config.num_hidden_layers
     fused.model.double()
@@ -147,16 +148,24 @@ def test_fused_mlp_model_step_equals_peft_step_and_saves_two_d_ff_tensors_fewer(
         params = {p.untyped_storage().data_ptr() for p in lm.model.parameters()}
         return loss, {n: g.clone() for n, g in grads.items()}, sum(v for k, v in saved.items() if k not in params)
 
+    mlps = [m for m in fused.model.modules() if hasattr(m, "_pflalign_recompute_above")]
+    assert {m._pflalign_recompute_above for m in mlps} == {512}  # CPU: rows over the packing size recompute
     loss_f, grads_f, kept_f = step(fused)
+    for m in mlps:
+        monkeypatch.setattr(m, "_pflalign_recompute_above", 23)  # the 24-token row now recomputes g and u
+    loss_r, grads_r, kept_r = step(fused)
     _unfused(fused, monkeypatch)
     loss_u, grads_u, kept_u = step(fused)
-    assert loss_f == pytest.approx(loss_u, rel=1e-14)
-    assert grads_f.keys() == grads_u.keys()
+    assert loss_f == pytest.approx(loss_u, rel=1e-14) and loss_r == pytest.approx(loss_u, rel=1e-14)
+    assert grads_f.keys() == grads_u.keys() == grads_r.keys()
     for n in grads_u:
         assert grads_u[n].abs().max() > 0
         torch.testing.assert_close(grads_f[n], grads_u[n], rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(grads_r[n], grads_u[n], rtol=1e-10, atol=1e-14)
     cfg = fused.model.config
-    assert kept_u - kept_f == cfg.num_hidden_layers * 2 * 24 * cfg.intermediate_size * 8  # float64 bytes
+    d_ff_bytes = cfg.num_hidden_layers * 24 * cfg.intermediate_size * 8  # one d_ff-wide float64 tensor per layer
+    assert kept_u - kept_f == 2 * d_ff_bytes  # silu(g) and h
+    assert kept_u - kept_r == 4 * d_ff_bytes  # and g and u
 
 
 def test_fused_mlp_forward_equals_peft_in_float32_and_is_off_without_gradients(tiny_llama, monkeypatch):

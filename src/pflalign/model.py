@@ -194,6 +194,9 @@ def load_base_model(spec: str, dtype: torch.dtype = torch.float32):
     return model, tok
 
 
+PACK_TOKENS = 512  # CPU: the examples of a batch are packed into rows of at most this many tokens
+
+
 @dataclass
 class FederatedLM:
     """The resident backbone with one LoRA adapter whose weights we swap per client.
@@ -225,7 +228,10 @@ class FederatedLM:
             torch.manual_seed(seed)  # the LoRA A init is the only randomness in the model
             model = get_peft_model(base, config)
         model.to(device).eval()
-        fused = use_fused_lora_mlp(model)
+        # On CPU a row longer than the packing size is one long example (Dolly's reach 1024
+        # tokens); its MLPs recompute g and u rather than keep them (lora_mlp.py), which
+        # bounds the peak memory at little cost (a GPU trains padded batches and has the memory).
+        fused = use_fused_lora_mlp(model, recompute_above=PACK_TOKENS if torch.device(device).type == "cpu" else None)
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         return cls(model=model, tokenizer=tok, lora=params, segment_attention=segments, fused_mlps=fused)
 
@@ -285,7 +291,7 @@ class FederatedLM:
         total, count = self._loss_sum(input_ids, attention_mask, labels)
         return total / count
 
-    def loss_and_grads(self, batch, unpadded: bool | None = None, pack_tokens: int = 512) -> tuple[float, Params]:
+    def loss_and_grads(self, batch, unpadded: bool | None = None, pack_tokens: int = PACK_TOKENS) -> tuple[float, Params]:
         """Forward + backward on one batch at the live adapter; returns (loss, grads).
 
         The loss is the batch's mean over its response tokens. On CPU
