@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 import torch
 
 from .errors import TrainingDiverged
-from .methods.base import Message, Method, Params, State, StepContext
+from .methods.base import Message, Method, Params, State, StepContext, zeros_like
 
 
 class GradientStats:
@@ -43,11 +43,10 @@ class GradientStats:
     @torch.no_grad()
     def add(self, grads: Params) -> None:
         self.count += 1
+        if not self.mean:  # one flat buffer each (methods.base.empty_like says why)
+            self.mean, self.m2 = zeros_like(grads, torch.float64), zeros_like(grads, torch.float64)
         for n, g in grads.items():
             g = g.detach()
-            if n not in self.mean:
-                self.mean[n] = torch.zeros(g.shape, dtype=torch.float64, device=g.device)
-                self.m2[n] = torch.zeros(g.shape, dtype=torch.float64, device=g.device)
             mean = self.mean[n]
             delta = g - mean  # float64 by type promotion
             mean.add_(delta, alpha=1.0 / self.count)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .attention import use_segment_attention
 from .lora_mlp import use_fused_lora_mlp
+from .methods.base import clone
 from .errors import UserError
 from .head_loss import head_cross_entropy_sum
 from .prompts import IGNORE
@@ -244,8 +245,8 @@ class FederatedLM:
         return next(iter(self.lora.values())).dtype
 
     def get_lora(self) -> Params:
-        """A detached copy of the live adapter."""
-        return {n: p.detach().clone() for n, p in self.lora.items()}
+        """A detached copy of the live adapter (one flat buffer: methods.base.empty_like)."""
+        return clone(self.lora)
 
     @torch.no_grad()
     def set_lora(self, params: Params) -> None:

@@ -54,12 +54,42 @@ class NoArgs:
     """A method without hyperparameters of its own."""
 
 
+def empty_like(params: Params, dtype: torch.dtype | None = None) -> Params:
+    """Uninitialised tensors shaped as `params`, as views of one flat buffer.
+
+    Why one buffer: adapter-sized state (an adapter copy, a client's moments)
+    lives across many steps. Hundreds of small tensors allocated between two
+    steps land in the holes that the last step's freed activations left in
+    the heap and keep them from merging again, so the next long example
+    needs fresh memory; one large buffer is mapped on its own and is
+    returned whole when freed. Each view is still an independent tensor.
+    """
+    if not params:
+        return {}
+    first = next(iter(params.values()))
+    dtype = dtype or first.dtype
+    if any(t.dtype != first.dtype or t.device != first.device for t in params.values()):
+        return {n: torch.empty(t.shape, dtype=dtype, device=t.device) for n, t in params.items()}
+    flat = torch.empty(sum(t.numel() for t in params.values()), dtype=dtype, device=first.device)
+    views, offset = {}, 0
+    for n, t in params.items():
+        views[n] = flat[offset:offset + t.numel()].view(t.shape)
+        offset += t.numel()
+    return views
+
+
 def clone(params: Params) -> Params:
-    return {n: t.detach().clone() for n, t in params.items()}
+    out = empty_like(params)
+    for n, t in params.items():
+        out[n].copy_(t.detach())
+    return out
 
 
-def zeros_like(params: Params) -> Params:
-    return {n: torch.zeros_like(t) for n, t in params.items()}
+def zeros_like(params: Params, dtype: torch.dtype | None = None) -> Params:
+    out = empty_like(params, dtype)
+    for t in out.values():
+        t.zero_()
+    return out
 
 
 def data_weights(sizes: list[int]) -> list[float]:
@@ -70,7 +100,7 @@ def data_weights(sizes: list[int]) -> list[float]:
 
 def weighted_average(items: list[Params], weights: list[float]) -> Params:
     """Σ_k weights[k] · items[k], per tensor (weights are expected to sum to 1)."""
-    out = {n: torch.zeros_like(t) for n, t in items[0].items()}
+    out = zeros_like(items[0])
     for item, w in zip(items, weights):
         for n, t in item.items():
             out[n].add_(t, alpha=w)
