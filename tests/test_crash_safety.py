@@ -21,6 +21,7 @@ from pflalign.cli import main
 from pflalign.config import build_config
 from pflalign.engine import run
 from pflalign.errors import UserError
+from pflalign.methods.base import clone
 
 from test_engine import TINY
 
@@ -81,6 +82,9 @@ def test_adapter_dicts_are_stored_as_one_record_each_and_come_back_equal(tmp_pat
     assert back["mixed"]["d"].dtype == torch.float64
     back["shared_1"]["p"].add_(1.0)  # still one tensor in two places, as it was saved
     assert torch.equal(back["shared_2"]["p"], torch.full((2,), 2.0))
+    flat_backed = clone(adapter)  # views filling one buffer in order: packed without a copy
+    assert ckpt.pack_tensors({"a": flat_backed})["a"][ckpt.PACKED].data_ptr() == flat_backed["b"].data_ptr()
+    assert ckpt.pack_tensors({"a": adapter})["a"][ckpt.PACKED].data_ptr() != adapter["b"].data_ptr()
     ckpt.save_run_checkpoint(tmp_path, back)  # loaded views pack again
     assert torch.equal(ckpt.load_run_checkpoint(tmp_path)["global"]["c"], adapter["c"])
 

@@ -120,6 +120,21 @@ def _loose_tensors(obj, found: list) -> None:
             _loose_tensors(v, found)
 
 
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors one after the other as one 1-D tensor: their own buffer when they are
+    already its consecutive views and fill it (methods.base.empty_like), else a copy.
+    (A copy of every adapter of 8 clients at once was +0.6 GB at the save.)"""
+    first, offset = tensors[0], tensors[0].storage_offset()
+    total = sum(t.numel() for t in tensors)
+    for t in tensors:
+        if _storage(t) != _storage(first) or t.storage_offset() != offset:
+            return torch.cat([t.reshape(-1) for t in tensors])
+        offset += t.numel()
+    if first.storage_offset() != 0 or total * first.element_size() != first.untyped_storage().nbytes():
+        return torch.cat([t.reshape(-1) for t in tensors])
+    return first.as_strided((total,), (1,), 0)
+
+
 def pack_tensors(payload):
     """`payload` with each packable dict of tensors replaced by one flat tensor plus its names and shapes."""
     groups: list[dict] = []
@@ -135,7 +150,7 @@ def pack_tensors(payload):
     def walk(obj):
         if isinstance(obj, dict):
             if id(obj) in packed:
-                return {PACKED: torch.cat([t.reshape(-1) for t in obj.values()]),
+                return {PACKED: _flat(list(obj.values())),
                         "names": list(obj), "shapes": [list(t.shape) for t in obj.values()]}
             return {k: walk(v) for k, v in obj.items()}
         if isinstance(obj, list):
