@@ -97,50 +97,41 @@ def _packable(d: dict, shared: set[int]) -> bool:
         a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))
 
 
-def _dicts_of_tensors(obj, found: list) -> None:
-    if isinstance(obj, dict):
-        if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-            found.append(obj)
-        else:
-            for v in obj.values():
-                _dicts_of_tensors(v, found)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _dicts_of_tensors(v, found)
+def _is_tensor_dict(obj) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
 
 
-def _loose_tensors(obj, found: list) -> None:
+def _collect(obj, groups: list, loose: list) -> None:
+    """The payload's dicts of tensors (`groups`) and its other tensors (`loose`)."""
     if isinstance(obj, torch.Tensor):
-        found.append(obj)
-    elif isinstance(obj, dict) and not (obj and all(isinstance(v, torch.Tensor) for v in obj.values())):
-        for v in obj.values():
-            _loose_tensors(v, found)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _loose_tensors(v, found)
+        loose.append(obj)
+    elif _is_tensor_dict(obj):
+        groups.append(obj)
+    elif isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            _collect(v, groups, loose)
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors one after the other as one 1-D tensor: their own buffer when they are
     already its consecutive views and fill it (methods.base.empty_like), else a copy.
     (A copy of every adapter of 8 clients at once was +0.6 GB at the save.)"""
-    first, offset = tensors[0], tensors[0].storage_offset()
-    total = sum(t.numel() for t in tensors)
+    first, offset = tensors[0], 0
     for t in tensors:
         if _storage(t) != _storage(first) or t.storage_offset() != offset:
-            return torch.cat([t.reshape(-1) for t in tensors])
+            break
         offset += t.numel()
-    if first.storage_offset() != 0 or total * first.element_size() != first.untyped_storage().nbytes():
-        return torch.cat([t.reshape(-1) for t in tensors])
-    return first.as_strided((total,), (1,), 0)
+    else:
+        if offset * first.element_size() == first.untyped_storage().nbytes():
+            return first.as_strided((offset,), (1,), 0)
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def pack_tensors(payload):
     """`payload` with each packable dict of tensors replaced by one flat tensor plus its names and shapes."""
     groups: list[dict] = []
-    _dicts_of_tensors(payload, groups)
     loose: list[torch.Tensor] = []
-    _loose_tensors(payload, loose)
+    _collect(payload, groups, loose)
     seen, shared = set(), set()
     for storages in [{_storage(t) for t in g.values()} for g in groups] + [{_storage(t)} for t in loose]:
         shared |= storages & seen
