@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pflalign.methods import METHODS, FedAvg
-from pflalign.methods.base import Method, RoundContext, data_weights, weighted_average
+from pflalign.methods.base import Method, RoundContext, clone, data_weights, weighted_average, zeros_like
 
 from toy import quadratic, simulate
 
@@ -104,3 +104,16 @@ def test_a_single_client_round_returns_its_own_model(models, method):
     out = rule.aggregate(glob, [{"params": models[0]}], data_weights([7]), rule.init_server_state(glob),
                          RoundContext(0, 1, [0]))
     assert out.keys() == models[0].keys() and all(torch.equal(out[n], models[0][n]) for n in out)
+
+
+def test_clone_and_zeros_are_independent_views_of_one_buffer_and_keep_mixed_dtypes():
+    params = {"a": torch.randn(2, 3), "b": torch.randn(4)}
+    copy = clone(params)
+    assert copy["a"].untyped_storage().data_ptr() == copy["b"].untyped_storage().data_ptr()
+    assert all(torch.equal(copy[n], params[n]) for n in params)
+    copy["a"].add_(1.0)  # a view is still its own tensor: its neighbour and the source are untouched
+    assert torch.equal(copy["b"], params["b"]) and not torch.equal(copy["a"], params["a"])
+    zeros = zeros_like(params, torch.float64)
+    assert all(z.dtype == torch.float64 and z.shape == params[n].shape and not z.any() for n, z in zeros.items())
+    mixed = {"f": torch.ones(2), "d": torch.ones(3, dtype=torch.float64)}
+    assert {n: t.dtype for n, t in clone(mixed).items()} == {"f": torch.float32, "d": torch.float64}
