@@ -1,11 +1,18 @@
 """pflalign benchmark: how close local training and evaluation run to this machine's limit.
 
     .venv/bin/python benchmarks/bench.py --data-dir ../shared/data --out benchmarks/results/cpu.json
+    python benchmarks/bench.py --data-dir ../shared/data --device cuda --out benchmarks/results/gpu.json
+
+On a GPU (`--device cuda`) everything runs in bfloat16 by default (`--dtype`):
+the matmul peak is a bf16 GEMM's, training runs the padded batch in one call
+(as the engine does there) and memory is also given as the CUDA allocator's
+peak. MFU still counts non-pad tokens only.
 
 Measures, in one process and one run (ratios, because absolute times drift):
   * the machine's peak fp32 matmul throughput (GFLOP/s, sustained for 1 s per
-    size): the reference limit, at the start and again just before each
-    training measurement (MFU uses the latter);
+    size): the reference limit, at the start, and in short probes between the
+    training steps (MFU uses the mean of those, and is also given against the
+    start's);
   * local training (forward + backward at the live adapter) on FLAN and Dolly
     batches of the paper (batch 4, up to 1024 tokens): non-pad tokens/s,
     model GFLOP/s and MFU = achieved / peak;
@@ -47,23 +54,35 @@ from pflalign.model import FederatedLM, LoraSettings
 from pflalign.prompts import IGNORE, batch_indices, collate_train, encode_prompt, encode_train
 
 
-def matmul_peak(sizes=(1024, 2048, 3072), seconds: float = 1.0) -> float:
-    """Best sustained fp32 GFLOP/s of a square matmul over a few sizes.
+def matmul_peak(sizes=(1024, 2048, 3072), seconds: float = 1.0, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> float:
+    """Best sustained GFLOP/s of a square matmul over a few sizes (fp32 on CPU).
 
     Each size runs back to back for `seconds`: on these shared machines a single
     call can catch a short clock burst (191 GFLOP/s once, against 116-147 in
     the following 12 one-second windows), which no training step ever sees.
     """
+    if device != "cpu":
+        sizes = (4096, 8192, 16384)  # a GPU needs large matrices to reach its peak
     best = 0.0
     for n in sizes:
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
         torch.mm(a, b)
+        sync(device)
         count, tic = 0, time.perf_counter()
         while time.perf_counter() - tic < seconds:
-            torch.mm(a, b)
-            count += 1
+            for _ in range(1 if device == "cpu" else 10):  # queue GPU work between clock reads
+                torch.mm(a, b)
+                count += 1
+            sync(device)
         best = max(best, 2 * n**3 * count / (time.perf_counter() - tic) / 1e9)
     return best
+
+
+def sync(device) -> None:
+    """Wait for queued GPU work, so that wall-clock times cover it (no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def linear_shapes(model) -> list[tuple[int, int, int]]:
@@ -93,10 +112,13 @@ def training_flops(lm: FederatedLM, batch: dict) -> float:
     return per_token * tokens + attention + head
 
 
-def bench_training(lm: FederatedLM, clients, batch_size: int, steps: int, max_len: int) -> dict:
-    """Training steps, with the matmul peak measured just before them: MFU is against the
-    machine as it runs now (its speed drifts by 20% or more within an hour here)."""
-    peak = matmul_peak()
+def bench_training(lm: FederatedLM, clients, batch_size: int, steps: int, max_len: int, start_peak: float) -> dict:
+    """Training steps, each right after a short matmul probe (best of the sizes, 0.3 s
+    each). MFU is against the mean of these probes, i.e. the machine as it ran during
+    the steps: its speed drifts by 20% or more within an hour here, and other
+    tenants' load comes and goes within minutes. It is also given against the
+    peak measured at the start of the run (`mfu_vs_start_peak`)."""
+    device, dtype = lm.device.type, lm.model.get_base_model().dtype
     pad = lm.tokenizer.pad_token_id
     encoded = [[encode_train(lm.tokenizer, ex, max_len) for ex in c.train] for c in clients]
     batches = []
@@ -106,15 +128,24 @@ def bench_training(lm: FederatedLM, clients, batch_size: int, steps: int, max_le
         batches.append(collate_train([encoded[k][i] for i in idx], pad))
     lm.loss_and_grads(batches[0])  # warm-up
     seconds = flops = tokens = 0.0
+    probes, step_mfu = [], []
     for batch in batches[1:]:
+        probes.append(matmul_peak(seconds=0.3, device=device, dtype=dtype))
+        sync(lm.device)
         tic = time.perf_counter()
         lm.loss_and_grads(batch)
-        seconds += time.perf_counter() - tic
-        flops += training_flops(lm, batch)
+        sync(lm.device)
+        elapsed = time.perf_counter() - tic
+        step_flops = training_flops(lm, batch)
+        step_mfu.append(step_flops / elapsed / 1e9 / probes[-1])
+        seconds += elapsed
+        flops += step_flops
         tokens += int(batch["attention_mask"].sum())
     gflops = flops / seconds / 1e9
+    peak = sum(probes) / len(probes)
     return {"steps": steps, "seconds_per_step": seconds / steps, "tokens_per_s": tokens / seconds,
-            "gflops": gflops, "matmul_peak_gflops": peak, "mfu": gflops / peak}
+            "gflops": gflops, "matmul_peak_gflops": peak, "mfu": gflops / peak,
+            "mfu_vs_start_peak": gflops / start_peak, "matmul_probes_gflops": probes, "step_mfu": step_mfu}
 
 
 def own_peak_rss_gb() -> float:
@@ -125,6 +156,14 @@ def own_peak_rss_gb() -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1e6  # kB -> GB
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def own_peaks() -> dict:
+    """Peak resident memory and, where CUDA ran, the CUDA allocator's peak (GB)."""
+    peaks = {"peak_rss_gb": own_peak_rss_gb()}
+    if torch.cuda.is_initialized():
+        peaks["peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return peaks
 
 
 def bench_round(cfg_overrides: dict) -> dict:
@@ -145,8 +184,10 @@ def _round(cfg_overrides: dict) -> dict:
     original = fed.lm.loss_and_grads
 
     def timed(batch):
+        sync(fed.lm.device)
         tic = time.perf_counter()
         out = original(batch)
+        sync(fed.lm.device)
         inner["seconds"] += time.perf_counter() - tic
         inner["tokens"] += int(batch["attention_mask"].sum())
         return out
@@ -163,7 +204,7 @@ def _round(cfg_overrides: dict) -> dict:
         checkpoint_mb = (Path(tmp) / "checkpoint.pt").stat().st_size / 1e6
     return {"seconds": total, "forward_backward_seconds": inner["seconds"],
             "overhead_share": 1 - inner["seconds"] / total, "non_pad_tokens_per_s": inner["tokens"] / total,
-            "checkpoint_mb": checkpoint_mb, "peak_rss_gb": own_peak_rss_gb()}
+            "checkpoint_mb": checkpoint_mb, **own_peaks()}
 
 
 def bench_generation(lm: FederatedLM, examples, max_new_tokens: int, batch_size: int, single: int) -> dict:
@@ -193,20 +234,21 @@ def bench_generation(lm: FederatedLM, examples, max_new_tokens: int, batch_size:
     }
 
 
-def peak_memory(clients: int, flan_dir: Path) -> float:
-    """Peak RSS (GB) of a subprocess running a 1-round, 1-step FLAN job with `clients` clients (of FLAN's 8)."""
+def peak_memory(clients: int, flan_dir: Path, setting: dict) -> dict:
+    """Peak memory (`own_peaks`) of a subprocess running a 1-round, 1-step FLAN job with
+    `clients` clients (of FLAN's 8); `setting`: model, device and dtype."""
     categories = ["coreference", "entailment", "paraphrase", "structure_to_text", "linguistic_acceptability",
                   "question_classification", "text_formatting", "word_disambiguation"][:clients]
-    overrides = {"rounds": 1, "local_steps": 1, "eval": {"base_model": False, "max_new_tokens": 1},
+    overrides = {**setting, "rounds": 1, "local_steps": 1, "eval": {"base_model": False, "max_new_tokens": 1},
                  "data": {"name": "flan", "dir": str(flan_dir), "clients": categories, "max_test": 1}}
     code = (
-        "import json, sys, tempfile; sys.path.insert(0, sys.argv[2]); from bench import own_peak_rss_gb;"
+        "import json, sys, tempfile; sys.path.insert(0, sys.argv[2]); from bench import own_peaks;"
         "from pflalign.config import build_config; from pflalign.engine import run;"
-        "run(build_config(None, json.loads(sys.argv[1])), tempfile.mkdtemp(), progress=False); print(own_peak_rss_gb())"
+        "run(build_config(None, json.loads(sys.argv[1])), tempfile.mkdtemp(), progress=False); print(json.dumps(own_peaks()))"
     )
     out = subprocess.run([sys.executable, "-c", code, json.dumps(overrides), str(Path(__file__).parent)],
                          capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 SECTIONS = ("train", "round_flan", "round_dolly", "generation", "memory")
@@ -217,33 +259,45 @@ def main() -> None:
     parser.add_argument("--data-dir", required=True, help="folder with flan/ and dolly/ (e.g. ../shared/data)")
     parser.add_argument("--out", default="benchmarks/results/latest.json")
     parser.add_argument("--steps", type=int, default=8, help="timed training steps per dataset")
+    parser.add_argument("--model", default="smollm2-135m", help="model spec, as for `pflalign run --model`")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="default: float32 on CPU, bfloat16 on a GPU")
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run (default: all): {', '.join(SECTIONS)}")
     args = parser.parse_args()
     only = {name.strip() for name in args.only.split(",") if name.strip()}
     if not only or only - set(SECTIONS):
         parser.error(f"unknown section(s) {sorted(only - set(SECTIONS))}; valid: {', '.join(SECTIONS)}")
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device is available")
+    setting = {"model": args.model, "device": args.device, "dtype": dtype}
     data = Path(args.data_dir)
     report: dict = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                                 "cpus": os.cpu_count(), "torch": torch.__version__,
-                                "threads": torch.get_num_threads()}}
-    peak = matmul_peak()
+                                "threads": torch.get_num_threads()},
+                    "setting": setting}
+    if args.device != "cpu":
+        report["machine"]["gpu"] = torch.cuda.get_device_name(args.device)
+    peak = matmul_peak(device=args.device, dtype=getattr(torch, dtype))
     report["matmul_peak_gflops"] = peak
-    print(f"fp32 matmul peak: {peak:.1f} GFLOP/s")
+    print(f"{dtype} matmul peak on {args.device}: {peak:.1f} GFLOP/s")
 
-    lm = FederatedLM.build("smollm2-135m", LoraSettings(), seed=0)
+    lm = FederatedLM.build(args.model, LoraSettings(), seed=0, dtype=getattr(torch, dtype), device=args.device)
     flan = load_federation("flan", str(data / "flan"), None, 42, None, 64)
     dolly = load_federation("dolly", str(data / "dolly" / "databricks-dolly-15k.jsonl"), None, 42, None, None)
     if "train" in only:
-        report["train_flan"] = bench_training(lm, flan, 4, args.steps, 1024)
-        report["train_dolly"] = bench_training(lm, dolly, 4, args.steps, 1024)
+        report["train_flan"] = bench_training(lm, flan, 4, args.steps, 1024, peak)
+        report["train_dolly"] = bench_training(lm, dolly, 4, args.steps, 1024, peak)
         report["mfu"] = report["train_flan"]["mfu"]
         for key in ("train_flan", "train_dolly"):
             r = report[key]
-            print(f"{key}: {r['tokens_per_s']:.0f} tok/s, {r['gflops']:.1f} GFLOP/s, MFU {r['mfu']:.1%} "
-                  f"(matmul peak just before: {r['matmul_peak_gflops']:.1f} GFLOP/s)")
+            print(f"{key}: {r['tokens_per_s']:.0f} tok/s, {r['gflops']:.1f} GFLOP/s, MFU {r['mfu']:.1%} against "
+                  f"{r['matmul_peak_gflops']:.1f} GFLOP/s (mean of the probes between steps; "
+                  f"{r['mfu_vs_start_peak']:.1%} against the start's {peak:.1f})")
 
-    base = {"model": "smollm2-135m", "rounds": 2, "eval": {"base_model": False}}
+    base = {**setting, "rounds": 2, "eval": {"base_model": False}}
     for name, data_cfg in (("flan", {"name": "flan", "dir": str(data / "flan"), "max_test": 1}),
                            ("dolly", {"name": "dolly", "dir": str(data / "dolly" / "databricks-dolly-15k.jsonl"),
                                       "max_test": 1})):
@@ -251,7 +305,8 @@ def main() -> None:
             continue
         r = report[f"round_{name}"] = bench_round({**base, "data": data_cfg})
         print(f"round_{name}: {r['seconds']:.1f} s, {r['non_pad_tokens_per_s']:.0f} non-pad tok/s, "
-              f"overhead {r['overhead_share']:.1%}, checkpoint {r['checkpoint_mb']:.0f} MB, peak RSS {r['peak_rss_gb']:.2f} GB")
+              f"overhead {r['overhead_share']:.1%}, checkpoint {r['checkpoint_mb']:.0f} MB, peak RSS {r['peak_rss_gb']:.2f} GB"
+              + (f", CUDA peak {r['peak_cuda_gb']:.2f} GB" if "peak_cuda_gb" in r else ""))
 
     test = [ex for c in flan for ex in c.test[:16]]
     if "generation" in only:
@@ -263,8 +318,10 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")  # kept if the memory step fails
     if "memory" in only:
-        report["peak_rss_gb"] = {"4_clients": peak_memory(4, data / "flan"), "8_clients": peak_memory(8, data / "flan")}
-        print(f"peak RSS: {report['peak_rss_gb']}")
+        peaks = {f"{n}_clients": peak_memory(n, data / "flan", setting) for n in (4, 8)}
+        for key in peaks["4_clients"]:  # peak_rss_gb, and peak_cuda_gb on a GPU
+            report[key] = {n: p[key] for n, p in peaks.items()}
+            print(f"{key}: {report[key]} ({report[key]['8_clients'] / report[key]['4_clients']:.2f}x with 8 clients)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
