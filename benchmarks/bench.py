@@ -168,7 +168,8 @@ def own_peaks() -> dict:
 
 def bench_round(cfg_overrides: dict) -> dict:
     """One federated round through the engine, in a fresh subprocess (so its peak
-    resident memory is the round's own), with forward/backward time separated."""
+    resident memory is the round's own), with forward/backward time separated and
+    the matmul peak measured just before and after it (how fast the machine ran)."""
     code = "import json, sys; sys.path.insert(0, sys.argv[2]); from bench import _round; print(json.dumps(_round(json.loads(sys.argv[1]))))"
     out = subprocess.run([sys.executable, "-c", code, json.dumps(cfg_overrides), str(Path(__file__).parent)],
                          capture_output=True, text=True)
@@ -197,14 +198,16 @@ def _round(cfg_overrides: dict) -> dict:
         metrics = MetricsLog(Path(tmp) / "m.jsonl")
         fed.train(Path(tmp), 0, metrics, stop_after=1)  # warm-up round (first calls are slow)
         inner.update(seconds=0.0, tokens=0)
+        before = matmul_peak(device=fed.lm.device.type, dtype=fed.lm.model.get_base_model().dtype)
         tic = time.perf_counter()
         fed.train(Path(tmp), 1, metrics, stop_after=1)
         total = time.perf_counter() - tic
+        after = matmul_peak(device=fed.lm.device.type, dtype=fed.lm.model.get_base_model().dtype)
         metrics.close()
         checkpoint_mb = (Path(tmp) / "checkpoint.pt").stat().st_size / 1e6
     return {"seconds": total, "forward_backward_seconds": inner["seconds"],
             "overhead_share": 1 - inner["seconds"] / total, "non_pad_tokens_per_s": inner["tokens"] / total,
-            "checkpoint_mb": checkpoint_mb, **own_peaks()}
+            "checkpoint_mb": checkpoint_mb, "matmul_peak_before_after_gflops": [before, after], **own_peaks()}
 
 
 def bench_generation(lm: FederatedLM, examples, max_new_tokens: int, batch_size: int, single: int) -> dict:
@@ -305,7 +308,8 @@ def main() -> None:
             continue
         r = report[f"round_{name}"] = bench_round({**base, "data": data_cfg})
         print(f"round_{name}: {r['seconds']:.1f} s, {r['non_pad_tokens_per_s']:.0f} non-pad tok/s, "
-              f"overhead {r['overhead_share']:.1%}, checkpoint {r['checkpoint_mb']:.0f} MB, peak RSS {r['peak_rss_gb']:.2f} GB"
+              f"overhead {r['overhead_share']:.1%}, checkpoint {r['checkpoint_mb']:.0f} MB, peak RSS {r['peak_rss_gb']:.2f} GB, "
+              f"matmul peak before/after {r['matmul_peak_before_after_gflops'][0]:.0f}/{r['matmul_peak_before_after_gflops'][1]:.0f} GFLOP/s"
               + (f", CUDA peak {r['peak_cuda_gb']:.2f} GB" if "peak_cuda_gb" in r else ""))
 
     test = [ex for c in flan for ex in c.test[:16]]
