@@ -43,7 +43,7 @@ class GradientStats:
     @torch.no_grad()
     def add(self, grads: Params) -> None:
         self.count += 1
-        if not self.mean:  # one flat buffer each (methods.base.empty_like says why)
+        if not self.mean:  # one flat buffer each (params.empty_like says why)
             self.mean, self.m2 = zeros_like(grads, torch.float64), zeros_like(grads, torch.float64)
         for n, g in grads.items():
             g = g.detach()

@@ -30,14 +30,12 @@ import torch.nn.functional as F
 
 from .attention import use_segment_attention
 from .lora_mlp import use_fused_lora_mlp
-from .methods.base import clone
 from .errors import UserError
 from .head_loss import head_cross_entropy_sum
+from .params import Params, clone
 from .prompts import IGNORE
 
 log = logging.getLogger(__name__)
-
-Params = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -245,7 +243,7 @@ class FederatedLM:
         return next(iter(self.lora.values())).dtype
 
     def get_lora(self) -> Params:
-        """A detached copy of the live adapter (one flat buffer: methods.base.empty_like)."""
+        """A detached copy of the live adapter (one flat buffer: params.empty_like)."""
         return clone(self.lora)
 
     @torch.no_grad()

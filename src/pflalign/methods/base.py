@@ -23,7 +23,8 @@ from typing import Callable, ClassVar
 
 import torch
 
-Params = dict[str, torch.Tensor]
+from ..params import Params, clone, empty_like, zeros_like  # noqa: F401  (the methods' helpers too)
+
 State = dict[str, Params]
 Message = dict[str, Params]
 GradFn = Callable[[], tuple[float, Params]]
@@ -52,43 +53,6 @@ class RoundContext:
 @dataclass
 class NoArgs:
     """A method without hyperparameters of its own."""
-
-
-def empty_like(params: Params, dtype: torch.dtype | None = None) -> Params:
-    """Uninitialised tensors shaped as `params`, as views of one flat buffer.
-
-    Why one buffer: adapter-sized state (an adapter copy, a client's moments)
-    lives across many steps. Hundreds of small tensors allocated between two
-    steps land in the holes that the last step's freed activations left in
-    the heap and keep them from merging again, so the next long example
-    needs fresh memory; one large buffer is mapped on its own and is
-    returned whole when freed. Each view is still an independent tensor.
-    """
-    if not params:
-        return {}
-    first = next(iter(params.values()))
-    if any(t.dtype != first.dtype or t.device != first.device for t in params.values()):
-        return {n: torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for n, t in params.items()}
-    flat = torch.empty(sum(t.numel() for t in params.values()), dtype=dtype or first.dtype, device=first.device)
-    views, offset = {}, 0
-    for n, t in params.items():
-        views[n] = flat[offset:offset + t.numel()].view(t.shape)
-        offset += t.numel()
-    return views
-
-
-def clone(params: Params) -> Params:
-    out = empty_like(params)
-    for n, t in params.items():
-        out[n].copy_(t.detach())
-    return out
-
-
-def zeros_like(params: Params, dtype: torch.dtype | None = None) -> Params:
-    out = empty_like(params, dtype)
-    for t in out.values():
-        t.zero_()
-    return out
 
 
 def data_weights(sizes: list[int]) -> list[float]:

@@ -112,7 +112,7 @@ class PFLAlign(Method):
 
     def client_end(self, global_params: Params, params: Params, state: State) -> Message:
         del state["m"]
-        for n, w in params.items():  # in place: Δ_k stays one flat buffer (methods.base.empty_like)
+        for n, w in params.items():  # in place: Δ_k stays one flat buffer (params.empty_like)
             torch.sub(w.detach(), global_params[n], out=state["delta"][n])
         return {"params": clone(params)}
 
