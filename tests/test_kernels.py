@@ -1,6 +1,7 @@
 """The training kernels against their unfused definitions: the LM head fused with
-cross-entropy (head_loss.py), per-example attention for packed rows (attention.py)
-and the LoRA SwiGLU MLP that keeps fewer activations (lora_mlp.py)."""
+cross-entropy (head_loss.py), per-example attention for packed rows (attention.py),
+the LoRA SwiGLU MLP that keeps fewer activations (lora_mlp.py) and RMSNorm with its
+closed-form gradient (rms_norm.py)."""
 
 import math
 import types
@@ -16,6 +17,7 @@ from pflalign.head_loss import head_cross_entropy_sum
 from pflalign.lora_mlp import LoraSwiGLU
 from pflalign.model import FederatedLM, LoraSettings
 from pflalign.prompts import IGNORE
+from pflalign.rms_norm import LLAMA_NORMS, RMSNorm
 
 
 @settings(max_examples=25, deadline=None)
@@ -182,3 +184,70 @@ def test_fused_mlp_forward_equals_peft_in_float32_and_is_off_without_gradients(t
     monkeypatch.undo()
     _unfused(tiny_llama, monkeypatch)
     torch.testing.assert_close(fused, tiny_llama.model(input_ids=batch["input_ids"]).logits, rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(1, 12), d=st.integers(1, 16), eps=st.sampled_from([0.0, 1e-6, 1e-5, 0.5]),
+       seed=st.integers(0, 2**16))
+def test_rms_norm_equals_autograd_through_its_definition(tokens, d, eps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, tokens, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.rand(d, generator=gen, dtype=torch.float64) + 0.5
+    upstream = torch.randn(2, tokens, d, generator=gen, dtype=torch.float64)
+    ours = RMSNorm.apply(x, weight, eps)
+    reference = weight * x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
+    (g_ours,) = torch.autograd.grad(ours, x, upstream)
+    (g_ref,) = torch.autograd.grad(reference, x, upstream)
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_rms_norm_gradient_hand_computed():
+    """x = (3, 4), w = 1, eps = 0: r = 1/sqrt(12.5); for dL/dy = (1, 0), dL/dx = r·((1, 0) − x·r²·3/2)
+    = r·(0.64, −0.48)."""
+    x = torch.tensor([[3.0, 4.0]], dtype=torch.float64, requires_grad=True)
+    y = RMSNorm.apply(x, torch.ones(2, dtype=torch.float64), 0.0)
+    y.backward(torch.tensor([[1.0, 0.0]], dtype=torch.float64))
+    r = 1 / math.sqrt(12.5)
+    assert y.tolist()[0] == pytest.approx([3 * r, 4 * r], abs=1e-15)
+    assert x.grad.tolist()[0] == pytest.approx([0.64 * r, -0.48 * r], abs=1e-15)
+
+
+def test_fused_rms_norm_model_step_has_the_same_loss_gradients_and_kept_tensors(monkeypatch):
+    """On the tiny Llama in float32: the loss bit for bit (same operations forward), LoRA
+    gradients to float32 rounding, the same bytes kept for backward (x and r, as
+    autograd keeps through HF's module), and HF's module with gradients off."""
+    lm = FederatedLM.build("tiny-llama", LoraSettings(r=4, alpha=8), seed=0)
+    cfg = lm.model.config
+    assert lm.fused_norms == 2 * cfg.num_hidden_layers + 1
+    with torch.no_grad():
+        for p in lm.lora.values():
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    batch = _packed_row(lm)
+
+    def step():
+        saved = {}
+        def keep(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss, grads = lm.loss_and_grads(batch)
+        params = {p.untyped_storage().data_ptr() for p in lm.model.parameters()}
+        return loss, {n: g.clone() for n, g in grads.items()}, sum(v for k, v in saved.items() if k not in params)
+
+    calls, forward = [], RMSNorm.forward
+    monkeypatch.setattr(RMSNorm, "forward", staticmethod(lambda ctx, *args: calls.append(1) or forward(ctx, *args)))
+    with torch.no_grad():
+        lm.model(input_ids=batch["input_ids"])
+    assert not calls
+    loss_f, grads_f, kept_f = step()
+    assert len(calls) == lm.fused_norms
+    for module in lm.model.modules():
+        if type(module).__name__ in LLAMA_NORMS:
+            monkeypatch.setattr(module, "forward", module._pflalign_unfused_forward)
+    loss_u, grads_u, kept_u = step()
+    assert loss_f == loss_u
+    for n in grads_u:
+        assert grads_u[n].abs().max() > 0
+        torch.testing.assert_close(grads_f[n], grads_u[n], rtol=1e-5, atol=1e-7)
+    assert kept_f == kept_u

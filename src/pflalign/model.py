@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .attention import use_segment_attention
 from .lora_mlp import use_fused_lora_mlp
+from .rms_norm import use_fused_rms_norm
 from .errors import UserError
 from .head_loss import head_cross_entropy_sum
 from .params import Params, clone
@@ -209,6 +210,7 @@ class FederatedLM:
     lora: dict[str, torch.nn.Parameter] = field(default_factory=dict)
     segment_attention: bool = False  # packed rows attend per example (attention.py), not under a mask
     fused_mlps: int = 0  # MLPs whose LoRA projections train through lora_mlp.LoraSwiGLU
+    fused_norms: int = 0  # RMSNorms that train through rms_norm.RMSNorm
 
     @classmethod
     def build(cls, spec: str, lora: LoraSettings, seed: int, dtype=torch.float32, device="cpu"):
@@ -231,8 +233,10 @@ class FederatedLM:
         # tokens); its MLPs recompute g and u rather than keep them (lora_mlp.py), which
         # bounds the peak memory at little cost (a GPU trains padded batches and has the memory).
         fused = use_fused_lora_mlp(model, recompute_above=PACK_TOKENS if torch.device(device).type == "cpu" else None)
+        norms = use_fused_rms_norm(model)
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        return cls(model=model, tokenizer=tok, lora=params, segment_attention=segments, fused_mlps=fused)
+        return cls(model=model, tokenizer=tok, lora=params, segment_attention=segments, fused_mlps=fused,
+                   fused_norms=norms)
 
     @property
     def device(self) -> torch.device:
