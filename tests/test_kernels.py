@@ -128,6 +128,28 @@ def _packed_row(lm):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
+def _count_forward_calls(monkeypatch, function) -> list:
+    """A list that grows by one at every forward of the autograd `function`."""
+    calls, forward = [], function.forward
+    monkeypatch.setattr(function, "forward", staticmethod(lambda ctx, *args: calls.append(1) or forward(ctx, *args)))
+    return calls
+
+
+def _step_and_kept_bytes(lm, batch):
+    """(loss, a copy of the LoRA gradients, bytes of the tensors autograd kept for backward,
+    parameters not counted) of one training step on `batch`."""
+    saved = {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss, grads = lm.loss_and_grads(batch)
+    params = {p.untyped_storage().data_ptr() for p in lm.model.parameters()}
+    return loss, {n: g.clone() for n, g in grads.items()}, sum(v for k, v in saved.items() if k not in params)
+
+
 def test_fused_mlp_model_step_equals_peft_step_and_keeps_two_or_four_d_ff_tensors_fewer(monkeypatch):
     """On the tiny Llama: the same loss and LoRA gradients as PEFT's modules (float64), and
     per layer and token exactly silu(g) and h fewer activations kept for backward, or
@@ -140,24 +162,14 @@ def test_fused_mlp_model_step_equals_peft_step_and_keeps_two_or_four_d_ff_tensor
             p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))  # B != 0: every gradient nonzero
     batch = _packed_row(fused)
 
-    def step(lm):
-        saved = {}
-        def keep(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            loss, grads = lm.loss_and_grads(batch)
-        params = {p.untyped_storage().data_ptr() for p in lm.model.parameters()}
-        return loss, {n: g.clone() for n, g in grads.items()}, sum(v for k, v in saved.items() if k not in params)
-
     mlps = [m for m in fused.model.modules() if hasattr(m, "_pflalign_recompute_above")]
     assert {m._pflalign_recompute_above for m in mlps} == {512}  # CPU: rows over the packing size recompute
-    loss_f, grads_f, kept_f = step(fused)
+    loss_f, grads_f, kept_f = _step_and_kept_bytes(fused, batch)
     for m in mlps:
         monkeypatch.setattr(m, "_pflalign_recompute_above", 23)  # the 24-token row now recomputes g and u
-    loss_r, grads_r, kept_r = step(fused)
+    loss_r, grads_r, kept_r = _step_and_kept_bytes(fused, batch)
     _unfused(fused, monkeypatch)
-    loss_u, grads_u, kept_u = step(fused)
+    loss_u, grads_u, kept_u = _step_and_kept_bytes(fused, batch)
     assert loss_f == pytest.approx(loss_u, rel=1e-14) and loss_r == pytest.approx(loss_u, rel=1e-14)
     assert grads_f.keys() == grads_u.keys() == grads_r.keys()
     for n in grads_u:
@@ -174,8 +186,7 @@ def test_fused_mlp_forward_equals_peft_in_float32_and_is_off_without_gradients(t
     """The fused forward equals PEFT's modules to float32 rounding; with gradients off
     (generation, evaluation) the modules run unfused."""
     batch = _packed_row(tiny_llama)
-    calls, forward = [], LoraSwiGLU.forward
-    monkeypatch.setattr(LoraSwiGLU, "forward", staticmethod(lambda ctx, *args: calls.append(1) or forward(ctx, *args)))
+    calls = _count_forward_calls(monkeypatch, LoraSwiGLU)
     with torch.no_grad():
         tiny_llama.model(input_ids=batch["input_ids"])
     assert not calls
@@ -225,27 +236,16 @@ def test_fused_rms_norm_model_step_has_the_same_loss_gradients_and_kept_tensors(
             p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
     batch = _packed_row(lm)
 
-    def step():
-        saved = {}
-        def keep(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            loss, grads = lm.loss_and_grads(batch)
-        params = {p.untyped_storage().data_ptr() for p in lm.model.parameters()}
-        return loss, {n: g.clone() for n, g in grads.items()}, sum(v for k, v in saved.items() if k not in params)
-
-    calls, forward = [], RMSNorm.forward
-    monkeypatch.setattr(RMSNorm, "forward", staticmethod(lambda ctx, *args: calls.append(1) or forward(ctx, *args)))
+    calls = _count_forward_calls(monkeypatch, RMSNorm)
     with torch.no_grad():
         lm.model(input_ids=batch["input_ids"])
     assert not calls
-    loss_f, grads_f, kept_f = step()
+    loss_f, grads_f, kept_f = _step_and_kept_bytes(lm, batch)
     assert len(calls) == lm.fused_norms
     for module in lm.model.modules():
         if type(module).__name__ in LLAMA_NORMS:
             monkeypatch.setattr(module, "forward", module._pflalign_unfused_forward)
-    loss_u, grads_u, kept_u = step()
+    loss_u, grads_u, kept_u = _step_and_kept_bytes(lm, batch)
     assert loss_f == loss_u
     for n in grads_u:
         assert grads_u[n].abs().max() > 0
