@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from pflalign import allocator
 from pflalign.checkpoint import MetricsLog
 from pflalign.config import build_config
 from pflalign.data.load import load_federation
@@ -159,8 +160,9 @@ def own_peak_rss_gb() -> float:
 
 
 def own_peaks() -> dict:
-    """Peak resident memory and, where CUDA ran, the CUDA allocator's peak (GB)."""
-    peaks = {"peak_rss_gb": own_peak_rss_gb()}
+    """Peak resident memory and, where CUDA ran, the CUDA allocator's peak (GB); the
+    process's memory allocator."""
+    peaks = {"peak_rss_gb": own_peak_rss_gb(), "memory_allocator": allocator.active()}
     if torch.cuda.is_initialized():
         peaks["peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
     return peaks
@@ -171,9 +173,16 @@ def bench_round(cfg_overrides: dict) -> dict:
     resident memory is the rounds' own): a warm-up round, then the timed rounds
     (`rounds` in the overrides, less one), with forward/backward time separated and
     the matmul peak measured just before and after them (how fast the machine ran)."""
-    code = "import json, sys; sys.path.insert(0, sys.argv[2]); from bench import _round; print(json.dumps(_round(json.loads(sys.argv[1]))))"
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(cfg_overrides), str(Path(__file__).parent)],
-                         capture_output=True, text=True)
+    return python_json("from bench import _round; print(json.dumps(_round(json.loads(sys.argv[1]))))", cfg_overrides)
+
+
+def python_json(code: str, arg) -> dict:
+    """Run `code` in a fresh Python (with this folder importable and `arg` as JSON in
+    sys.argv[1]) under the allocator the pflalign command would give it; the JSON
+    object it prints last."""
+    code = f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); {code}"
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(arg)], capture_output=True, text=True,
+                         env=allocator.preload_env())
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -254,14 +263,10 @@ def peak_memory(clients: int, flan_dir: Path, setting: dict) -> dict:
                   "question_classification", "text_formatting", "word_disambiguation"][:clients]
     overrides = {**setting, "rounds": 1, "local_steps": 1, "eval": {"base_model": False, "max_new_tokens": 1},
                  "data": {"name": "flan", "dir": str(flan_dir), "clients": categories, "max_test": 1}}
-    code = (
-        "import json, sys, tempfile; sys.path.insert(0, sys.argv[2]); from bench import own_peaks;"
-        "from pflalign.config import build_config; from pflalign.engine import run;"
-        "run(build_config(None, json.loads(sys.argv[1])), tempfile.mkdtemp(), progress=False); print(json.dumps(own_peaks()))"
-    )
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(overrides), str(Path(__file__).parent)],
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    code = ("import tempfile; from bench import own_peaks; from pflalign.config import build_config; "
+            "from pflalign.engine import run; run(build_config(None, json.loads(sys.argv[1])), tempfile.mkdtemp(), "
+            "progress=False); print(json.dumps(own_peaks()))")
+    return python_json(code, overrides)
 
 
 SECTIONS = ("train", "round_flan", "round_dolly", "generation", "memory")
@@ -279,6 +284,7 @@ def main() -> None:
     parser.add_argument("--only", default=",".join(SECTIONS),
                         help=f"comma-separated sections to run (default: all): {', '.join(SECTIONS)}")
     args = parser.parse_args()
+    allocator.reexec_under_mimalloc()  # as the pflalign command does; its subprocesses too (python_json)
     only = {name.strip() for name in args.only.split(",") if name.strip()}
     if not only or only - set(SECTIONS):
         parser.error(f"unknown section(s) {sorted(only - set(SECTIONS))}; valid: {', '.join(SECTIONS)}")
@@ -289,7 +295,7 @@ def main() -> None:
     data = Path(args.data_dir)
     report: dict = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                                 "cpus": os.cpu_count(), "torch": torch.__version__,
-                                "threads": torch.get_num_threads()},
+                                "threads": torch.get_num_threads(), "memory_allocator": allocator.active()},
                     "setting": setting}
     if args.device != "cpu":
         report["machine"]["gpu"] = torch.cuda.get_device_name(args.device)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import checkpoint as ckpt
+from . import allocator, checkpoint as ckpt
 from .config import RunConfig, build_config, method_args, to_dict
 from .client import local_round
 from .data import ClientData
@@ -335,6 +335,7 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         results, predictions = fed.evaluate()
         results["seconds_train_this_session"] = train_seconds
         results["seconds_eval"] = time.perf_counter() - tic
+        results["memory_allocator"] = allocator.active()  # "mimalloc" under the pflalign command (allocator.py)
         metrics.write(event="eval", **{k: v for k, v in results.items() if k.startswith("avg_")})
         metrics.commit()
     except KeyboardInterrupt:
