@@ -341,7 +341,9 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")  # kept if the memory step fails
     if "memory" in only:
         peaks = {f"{n}_clients": peak_memory(n, data / "flan", setting) for n in (4, 8)}
-        for key in peaks["4_clients"]:  # peak_rss_gb, and peak_cuda_gb on a GPU
+        for key in ("peak_rss_gb", "peak_cuda_gb"):  # the latter on a GPU only
+            if key not in peaks["4_clients"]:
+                continue
             report[key] = {n: p[key] for n, p in peaks.items()}
             print(f"{key}: {report[key]} ({report[key]['8_clients'] / report[key]['4_clients']:.2f}x with 8 clients)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ import torch
 
 from pflalign.client import GradientStats, distance, local_round
 from pflalign.methods import METHODS
+from pflalign.methods.base import RoundContext
 
 
 def test_gsnr_by_hand():
@@ -127,3 +128,49 @@ def test_non_finite_values_stop_the_round_naming_what_and_when(second_step, meth
     with pytest.raises(TrainingDiverged, match=rf"non-finite value in {what} at round 3, local step 2 \(lr=10\): "
                                                r"try a lower learning rate$"):
         local_round(lm, rule, {}, glob, {}, [{}, {}], 10.0, 2)
+
+
+class LoraPairLM:
+    """Stands in for FederatedLM with one LoRA pair: loss ½‖B A − M‖², M the batch's target."""
+
+    A, B = "layer.lora_A.default.weight", "layer.lora_B.default.weight"
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.lora = {self.A: torch.nn.Parameter(torch.randn(2, 4, generator=g, dtype=torch.float64)),
+                     self.B: torch.nn.Parameter(torch.randn(5, 2, generator=g, dtype=torch.float64) * 0.1)}
+
+    def set_lora(self, params):
+        with torch.no_grad():
+            for n, p in self.lora.items():
+                p.copy_(params[n])
+
+    def loss_and_grads(self, batch):
+        a, b = self.lora[self.A].detach(), self.lora[self.B].detach()
+        residual = b @ a - batch["target"]
+        return float(0.5 * (residual**2).sum()), {self.A: b.T @ residual, self.B: residual @ a.T}
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_aggregation_never_writes_into_messages_that_personalized_adapters_share(name):
+    """local_round lets a client's personalized adapter share the tensors of the adapter it
+    sends when both hold the same values; that is safe only if no aggregation writes into
+    its messages. Two rounds, two clients, every method."""
+    method, lm = METHODS[name](), LoraPairLM()
+    g = torch.Generator().manual_seed(1)
+    batches = [[{"target": torch.randn(5, 4, generator=g, dtype=torch.float64)} for _ in range(3)] for _ in range(2)]
+    glob = {n: p.detach().clone() for n, p in lm.lora.items()}
+    server, states = method.init_server_state(glob), [method.init_client_state(glob) for _ in range(2)]
+    shared = 0
+    for r in range(2):
+        received = method.broadcast(glob, server)
+        results = [local_round(lm, method, states[k], glob, received, batches[k], 0.1, r) for k in range(2)]
+        before = [{g_: {n: t.clone() for n, t in group.items()} for g_, group in res.message.items()} for res in results]
+        glob = method.aggregate(glob, [res.message for res in results], [0.5, 0.5], server, RoundContext(r, 2, [0, 1]))
+        for res, saved in zip(results, before):
+            for group, tensors in saved.items():
+                for n, t in tensors.items():
+                    assert torch.equal(res.message[group][n], t), f"{name} aggregation changed {group}/{n}"
+            shared += res.personalized is res.message.get("params")
+    if name in ("fedavg", "pflalign"):  # personalized = w_{k,T} = the adapter sent
+        assert shared == 4

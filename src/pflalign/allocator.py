@@ -5,14 +5,21 @@ allocates 5.9 GB in about 4,800 tensors for a 0.64 GB peak) in another order
 than it allocated them, and glibc's main heap does not reuse that space well:
 in two Dolly paper rounds (4 clients × 5 steps) the process's resident memory
 reached 3.00–3.02 GB while glibc counted at most 1.90 GB in use. Handing every
-tensor of 128 KB or more to mmap removes the waste but made steps 20–50% slower:
-each allocation faults its pages in afresh, and page faults are dear in this
-VM. mimalloc keeps freed memory in pages of one size class and reuses it; told
-never to give it back to the system (``MIMALLOC_PURGE_DELAY=-1``, which took
-the faults of those two rounds from 1.6 million to one thousand), the same
-rounds peaked at 2.57 GB and ran 2–8% faster than under glibc (two paired
-runs; with its default purging, 2.42 GB but up to 20% slower in the second
-round). benchmarks/README.md has the measurements.
+tensor of 128 KB or more to mmap removes the waste but made steps 20–50%
+slower: each allocation faults its pages in afresh, and page faults are dear
+in this VM.
+
+mimalloc reuses freed memory better. Its default, giving freed pages back to
+the system 10 ms after they fall idle, still faulted 1.6 million pages in
+those two rounds (glibc: 1.2–1.6 million) and ran up to 20% slower in the
+second round; never giving them back (``MIMALLOC_PURGE_DELAY=-1``) faulted
+one thousand and ran as fast as glibc or faster, but what one client's round
+freed then stayed resident through the next clients' rounds, so each extra
+client cost more (8 clients 1.28× the peak of 4). So: pages go back only
+after 100 s idle (`PURGE_DELAY_MS`), and the engine hands back what a client's
+round freed when the round ends (`release_free_memory`). Measured in the same
+two Dolly rounds: peak 2.46 GB, 89 thousand page faults;
+benchmarks/README.md has the benchmark's figures.
 
 The allocator of a process is fixed when it starts, so the command line
 re-executes itself once, before it loads torch, with the library of the
@@ -28,6 +35,8 @@ benchmarks use it).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import sys
 from importlib import metadata
@@ -36,7 +45,8 @@ from pathlib import Path
 from .errors import UserError
 
 SETTING = "PFLALIGN_ALLOCATOR"  # "mimalloc" (the default) or "system"
-_RESTORE = "_PFLALIGN_LD_PRELOAD"  # set only in a re-executed process: the LD_PRELOAD to give back
+_RESTORE = "_PFLALIGN_LD_PRELOAD"
+PURGE_DELAY_MS = 100_000  # free memory goes back to the system after 100 s idle, or at release_free_memory  # set only in a re-executed process: the LD_PRELOAD to give back
 
 
 def library() -> Path | None:
@@ -67,7 +77,7 @@ def preload_env(environ: dict | None = None) -> dict | None:
     if lib is None:
         return None
     environ[_RESTORE] = preload
-    environ.setdefault("MIMALLOC_PURGE_DELAY", "-1")  # keep freed pages for reuse: no page faults (above)
+    environ.setdefault("MIMALLOC_PURGE_DELAY", str(PURGE_DELAY_MS))  # freed pages stay for reuse (above)
     environ["LD_PRELOAD"] = f"{lib}:{preload}" if preload else str(lib)
     return environ
 
@@ -89,6 +99,21 @@ def reexec_under_mimalloc() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, sys.orig_argv, env)
+
+
+def release_free_memory() -> None:
+    """Under mimalloc, give the memory it holds free back to the system now
+    (`mi_collect(force)`); under another allocator, nothing. The engine calls it
+    after each client's round: what that round freed (activations, gradient
+    statistics) would otherwise stay resident until mimalloc's purge delay."""
+    collect = _mi_collect()
+    if collect is not None:
+        collect(True)
+
+
+@functools.cache
+def _mi_collect():
+    return getattr(ctypes.CDLL(None), "mi_collect", None)  # the preloaded library's symbols are global
 
 
 def active() -> str:

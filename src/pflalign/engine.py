@@ -202,6 +202,7 @@ class Federation:
             for k in chosen:
                 bar.set_postfix(client=self.clients[k].data.task)
                 results.append(self.train_client(self.clients[k], r, received, metrics, bar))
+                allocator.release_free_memory()  # the round's activations: not kept past the client
             bar.close()
             weights = data_weights([self.clients[k].n_train for k in chosen])
             ctx = RoundContext(r, len(self.clients), chosen)
