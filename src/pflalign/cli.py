@@ -150,19 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if argv is None and args.command in ("run", "sweep"):  # the console command, about to train
-        from .allocator import reexec_under_mimalloc
-
-        try:
-            reexec_under_mimalloc()  # returns in the re-executed process (allocator.py says why)
-        except UserError as exc:
-            print(f"pflalign: error: {exc}", file=sys.stderr)
-            return 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     for noisy in ("transformers", "peft", "httpx", "huggingface_hub", "absl"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        if argv is None and args.command in ("run", "sweep"):  # the console command, about to train
+            from .allocator import reexec_under_mimalloc
+
+            reexec_under_mimalloc()  # returns in the re-executed process (allocator.py says why)
         return args.func(args)
     except UserError as exc:
         print(f"pflalign: error: {exc}", file=sys.stderr)
