@@ -91,6 +91,39 @@ def test_sam_gradient_statistics_use_the_first_gradient_only():
 
 
 
+class PairLM:
+    """One LoRA pair: A's and B's gradients come from a script, loss 0."""
+
+    A, B = "layer.lora_A.default.weight", "layer.lora_B.default.weight"
+
+    def __init__(self, script):
+        self.lora = {n: torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)) for n in (self.A, self.B)}
+        self.script = iter(script)
+
+    def set_lora(self, params):
+        with torch.no_grad():
+            for n, p in self.lora.items():
+                p.copy_(params[n])
+
+    def loss_and_grads(self, batch):
+        a, b = next(self.script)
+        return 0.0, {self.A: torch.tensor(a, dtype=torch.float64), self.B: torch.tensor(b, dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("name", ["ffa-lora", "fedsvd"])
+def test_gsnr_leaves_out_tensors_the_method_keeps_frozen(name):
+    # B's gradients (1, 2), (3, 2): mean (2, 2), var (2, 0) → GSNR_1 = 2, coordinate 2 left out;
+    # gsnr_ratio = ‖(2, 2)‖² / 2 = 4. A's noisy gradients would change both if they entered.
+    script = [([5.0, -1.0], [1.0, 2.0]), ([-3.0, 4.0], [3.0, 2.0])]
+    glob = {PairLM.A: torch.ones(2, dtype=torch.float64), PairLM.B: torch.zeros(2, dtype=torch.float64)}
+    method = METHODS[name]()
+    assert not method.trains(PairLM.A) and method.trains(PairLM.B)
+    res = local_round(PairLM(script), method, {}, glob, {}, [{}, {}], 0.1, 0)
+    assert res.gsnr_mean == pytest.approx(2.0) and res.gsnr_ratio == pytest.approx(4.0)
+    both = local_round(PairLM(script), METHODS["fedavg"](), {}, glob, {}, [{}, {}], 0.1, 0)
+    assert both.gsnr_ratio != pytest.approx(4.0)  # FedAvg trains A: its gradients count
+
+
 class ScriptedLM(QuadraticLM):
     """Returns the (loss, gradient) pairs it is given, one per call."""
 

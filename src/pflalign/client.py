@@ -23,7 +23,8 @@ class GradientStats:
     """Per-coordinate mean and unbiased variance of a round's minibatch gradients (Welford, float64).
 
     GSNR_i = mean(g_i)² / var(g_i) over the round's T steps; coordinates with
-    zero variance are left out. Two summaries:
+    zero variance are left out, and so are tensors the method keeps frozen
+    (`Method.trains`: FFA-LoRA's and FedSVD's A), whose gradients never move the model. Two summaries:
     ``gsnr_mean`` — the mean of GSNR_i over the coordinates kept;
     ``gsnr_ratio`` — ‖mean g‖² / Σ_i var(g_i) over all coordinates.
     Both are None with fewer than two steps (no variance).
@@ -124,6 +125,8 @@ def local_round(
     batches = list(batches)
     lm.set_lora(method.client_start(global_params, state, received))
     stats = GradientStats()
+    frozen = [n for n in lm.lora if not method.trains(n)]  # left out of the GSNR (FFA-LoRA's A)
+    trained = [n for n in lm.lora if method.trains(n)] if frozen else None
     losses = []
     for t, batch in enumerate(batches):
         first_call = [True]
@@ -135,7 +138,7 @@ def local_round(
             if bad := _non_finite(grads):
                 raise _diverged(f"the gradient of {bad}", round_index, t, lr)
             if first_call[0]:  # the minibatch gradient at w_{k,t} (SAM's second call is not)
-                stats.add(grads)
+                stats.add(grads if trained is None else {n: grads[n] for n in trained})
                 first_call[0] = False
             return loss, grads
 

@@ -86,6 +86,11 @@ class Method:
     def arg_names(cls) -> list[str]:
         return [f.name for f in fields(cls.Args)]
 
+    def trains(self, name: str) -> bool:
+        """Whether the client rule updates tensor `name` (False for a frozen one, like
+        FFA-LoRA's A): the round's gradient statistics (GSNR) cover trained tensors only."""
+        return True
+
     # ---- client side -------------------------------------------------------
     def init_client_state(self, global_params: Params) -> State:
         return {}

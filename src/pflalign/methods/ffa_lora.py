@@ -48,12 +48,15 @@ def lora_b_name(a_name: str) -> str:
 class FFALoRA(Method):
     name = "ffa-lora"
 
+    def trains(self, name: str) -> bool:
+        return not is_lora_a(name)
+
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         with torch.enable_grad():
             loss, grads = grad_fn()
         for n, w in params.items():
-            if not is_lora_a(n):  # A is frozen
+            if self.trains(n):  # A is frozen
                 w.add_(grads[n], alpha=-ctx.lr)
         return loss
 
