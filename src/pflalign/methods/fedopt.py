@@ -14,6 +14,11 @@ with the pseudo-gradient of the round
 with m = 0 and v = τ² at the start (the paper's v_{−1} ≥ τ²), and no bias
 correction (the paper has none).
 
+Weighting: Algorithm 2 averages the client updates equally, Δ = (1/|S|) Σ_k Δ_k;
+we weight them by |D_k| as every server rule here does (and Flower's FedOpt
+strategies do), so that Δ is exactly FedAvg's step w̄ − w^r and FedOpt differs
+from FedAvg only in the server optimizer. With equal |D_k| the two are the same.
+
 Paper vs. code: Flower's strategies (whose structure we follow: one FedOpt base,
 the variants differ only in the v update) start v at 0 rather than τ², and its
 FedAdagrad fixes β1 = 0; we follow the paper's Algorithm 2 for both.

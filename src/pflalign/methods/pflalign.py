@@ -17,9 +17,10 @@ End of round: Δ_k = w_{k,T} − w^r; the client sends w_{k,T}; the server
 averages the clients' models weighted by |D_k| (as FedAvg). The
 personalized model of client k is its w_{k,T} of the last round.
 
-The ablations of the paper are the same rule with one component switched off
-(`precondition`, `gamma`, `personal_init`), so each differs from the full
-method exactly in that component.
+The paper defines no ablations. The five variants below are ours: the same
+rule with one component switched off (`precondition`, `gamma`,
+`personal_init`), so each differs from the full method exactly in that
+component, to measure what the component is worth.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class PFLAlign(Method):
         return {"params": clone(params)}
 
 
-# ---- ablations: one component switched off each ---------------------------
+# ---- our variants (not the paper's): one component switched off each ------
 @dataclass
 class NoPrecondArgs(PFLAlignArgs):
     precondition: bool = False
