@@ -12,7 +12,7 @@ from pflalign import checkpoint as ckpt
 from pflalign.cli import main
 from pflalign.config import build_config
 from pflalign.engine import run
-from pflalign.report import _ranks, ci95_half_width, method_order, t_quantile
+from pflalign.report import _ranks, ci95_half_width, find_runs, method_order, paired_differences, t_quantile
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = {
@@ -111,6 +111,25 @@ def test_report_writes_table_1_and_figures(sweep_dir, tmp_path, capsys):
         assert width > 300 and height > 200, name
     report = (tmp_path / "report.md").read_text()
     assert "synthetic/gsnr.png" in report and "client sorting" in report and "broken" in report
+
+
+def test_paired_differences_by_hand(sweep_dir, tmp_path):
+    runs, _ = find_runs(sweep_dir)
+    by_method = {p.method: p for p in paired_differences(["arithmetic", "sorting"], runs)}
+    assert list(by_method) == ["ffa-lora", "fedavg"]  # pFLAlign is the reference, not a row
+    fedavg = by_method["fedavg"]
+    # pFLAlign − FedAvg per seed: arithmetic 30−10, 34−20; sorting 20−40, 22−50; avg 25−25, 28−35
+    assert fedavg.seeds == [0, 1]
+    assert fedavg.diffs == {"arithmetic": [20.0, 14.0], "sorting": [-20.0, -28.0], None: [0.0, -7.0]}
+    assert fedavg.mean(None) == -3.5 and fedavg.ci(None) == pytest.approx(ci95_half_width([0.0, -7.0]))
+    ffa = by_method["ffa-lora"]  # one shared seed: a difference, no interval
+    assert ffa.seeds == [0] and ffa.mean("arithmetic") == 25.0 and ffa.ci("arithmetic") is None
+    assert main(["report", str(sweep_dir), "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    half = ci95_half_width([20.0, 14.0])
+    assert f"| FedAvg | 2 | +17.00 ± {half:.2f} |" in report
+    assert "| FFA-LoRA | 1 | +25.00 | -25.00 | +0.00 |" in report
+    assert "### Training dynamics" in report and "| pFLAlign | " in report
 
 
 def test_report_skips_missing_round_eval_with_a_note(sweep_dir, tmp_path):

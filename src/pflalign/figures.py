@@ -186,11 +186,10 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
         def of_round(key):
             return lambda r: {m["round"] + 1: m.get(key) for m in r.events("round")}
 
-        curves = _by_method(runs, {"update": of_round("consistency_update_norm"),
-                                   "model": of_round("consistency_model_norm")})
+        # the update-norm variant only: the model norm is dominated by LoRA's random A (docs/usage.md)
+        curves = _by_method(runs, {"update": of_round("consistency_update_norm")})
         return _line_figure(path, curves,
-                            [("update", r"update norm  $\Sigma_k\, p_k \|w_k^{r+1} - w^r\|$"),
-                             ("model", r"model norm  $\Sigma_k\, p_k \|w_k^{r+1}\|$")],
+                            [("update", r"$\Sigma_k\, p_k \|w_k^{r+1} - w^r\|$ (lower: more consistent)")],
                             "round", r"Aggregation consistency, $p_k = |D_k| \,/\, \Sigma_j |D_j|$")
 
     def bars(path: Path) -> bool:

@@ -261,6 +261,103 @@ def cost_markdown(runs: list[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- paired comparisons -------------------------------------------------------
+REFERENCE = "pflalign"
+
+
+def _score(run: Run, task: str | None) -> float | None:
+    """A run's personalized ROUGE-L on one client (by task), or its client average (task None)."""
+    if task is None:
+        return run.results["avg_rouge_l_personalized"]
+    return next((c["rouge_l_personalized"] for c in run.results["clients"] if c["task"] == task), None)
+
+
+@dataclass
+class Paired:
+    """Reference minus one baseline over the seeds both ran: mean difference and its paired 95% CI."""
+
+    method: str
+    seeds: list[int]
+    diffs: dict[str | None, list[float]]  # task (None: the client average) → per-seed differences
+
+    def mean(self, task: str | None) -> float | None:
+        return statistics.fmean(self.diffs[task]) if self.diffs.get(task) else None
+
+    def ci(self, task: str | None) -> float | None:
+        return ci95_half_width(self.diffs.get(task, []))
+
+
+def paired_differences(tasks: list[str], runs: list[Run], reference: str = REFERENCE) -> list[Paired]:
+    """For each other method, `reference` − method per seed (the seeds share the data split and the
+    initial adapter, so the differences are paired), per client and on the client average."""
+    ref = {r.seed: r for r in runs if r.method == reference}
+    out = []
+    for method in method_order(r.method for r in runs):
+        if method == reference:
+            continue
+        pairs = sorted(((ref[r.seed], r) for r in runs if r.method == method and r.seed in ref),
+                       key=lambda p: p[1].seed)
+        if not pairs:
+            continue
+        diffs: dict[str | None, list[float]] = {}
+        for task in [*tasks, None]:
+            values = [(_score(a, task), _score(b, task)) for a, b in pairs]
+            if all(x is not None and y is not None for x, y in values):
+                diffs[task] = [x - y for x, y in values]
+        out.append(Paired(method, [b.seed for _, b in pairs], diffs))
+    return out
+
+
+def paired_markdown(tasks: list[str], paired: list[Paired], reference: str = REFERENCE) -> str:
+    """One row per baseline: mean difference ± paired 95% CI half-width; * where the interval excludes 0."""
+    lines = ["| " + f"{label(reference)} − | seeds | " + " | ".join(tasks) + " | Avg |",
+             "| :-- | --: | " + " | ".join("--:" for _ in tasks) + " | --: |"]
+    for p in paired:
+        cells = []
+        for task in [*tasks, None]:
+            mean, ci = p.mean(task), p.ci(task)
+            if mean is None:
+                cells.append("–")
+                continue
+            text = f"{mean:+.2f}" + (f" ± {ci:.2f}" if ci is not None else "")
+            cells.append(text + ("*" if ci is not None and abs(mean) > ci else ""))
+        lines.append(f"| {label(p.method)} | {len(p.seeds)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- training dynamics --------------------------------------------------------
+def dynamics_markdown(runs: list[Run]) -> str:
+    """Per method, means over seeds (± 95% CI): the aggregation consistency (update norm) of the
+    last round and over all rounds, and the GSNR ratio (mean over clients) of the first and last round."""
+
+    def per_run(r: Run) -> dict:
+        rounds = sorted((m for m in r.events("round") if "round" in m), key=lambda m: m["round"])
+        cons = [m["consistency_update_norm"] for m in rounds if m.get("consistency_update_norm") is not None]
+        gsnr: dict = {}
+        for m in r.events("client_round"):
+            if m.get("gsnr_ratio") is not None and "round" in m:
+                gsnr.setdefault(m["round"], []).append(m["gsnr_ratio"])
+        first, last = (gsnr[min(gsnr)], gsnr[max(gsnr)]) if gsnr else (None, None)
+        return {"cons_last": cons[-1] if cons else None, "cons_mean": statistics.fmean(cons) if cons else None,
+                "gsnr_first": statistics.fmean(first) if first else None,
+                "gsnr_last": statistics.fmean(last) if last else None}
+
+    def cell(values: list) -> str:
+        values = [v for v in values if v is not None]
+        if not values:
+            return "–"
+        ci = ci95_half_width(values)
+        return f"{statistics.fmean(values):.3g}" + (f" ± {ci:.2g}" if ci is not None else "")
+
+    keys = ["cons_last", "cons_mean", "gsnr_first", "gsnr_last"]
+    lines = ["| Method | consistency, last round | consistency, mean over rounds | GSNR ratio, first round "
+             "| GSNR ratio, last round |", "| :-- | --: | --: | --: | --: |"]
+    for method in method_order(r.method for r in runs):
+        stats = [per_run(r) for r in runs if r.method == method]
+        lines.append(f"| {label(method)} | " + " | ".join(cell([s[k] for s in stats]) for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # ---- the report -------------------------------------------------------------
 def write_report(root: Path | str, out: Path | str, client: str | None = None) -> Path:
     """Tables and figures for every dataset under `root` into `out`; returns report.md."""
@@ -290,6 +387,16 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None) -
             lines += [f"### {title}", "", f"![{title}]({dataset}/{name})", ""]
         if skipped:
             lines += ["Notes on the figures:", ""] + [f"- {s}" for s in skipped] + [""]
+        paired = paired_differences(tasks, mine)
+        if paired:
+            lines += ["### Paired differences", "",
+                      f"{label(REFERENCE)} minus each baseline, seed by seed (the seeds share data splits), "
+                      "in ROUGE-L ×100: mean ± paired 95% CI half-width (Student's t over the seeds both "
+                      "ran); * where the interval excludes 0.", "", paired_markdown(tasks, paired)]
+        lines += ["### Training dynamics", "",
+                  "Aggregation consistency Σ_k p_k ‖w_k − w^r‖ (lower: the clients' updates agree more) and the "
+                  "GSNR ratio ‖mean g‖² / Σ var(g) of the clients' local gradients, mean over seeds ± 95% CI "
+                  "(docs/usage.md has the exact definitions).", "", dynamics_markdown(mine)]
         lines += ["### Run time", "", "Wall-clock seconds on the machine that made the runs (training per round "
                   "without the optional per-round evaluation; final evaluation of all clients).", "",
                   cost_markdown(mine)]
