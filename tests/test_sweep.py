@@ -7,7 +7,6 @@ import pytest
 from pflalign import checkpoint as ckpt
 from pflalign.cli import main
 from pflalign.engine import run
-from pflalign.methods import LORA_MODULATION, OPTIMIZER_BASED
 from pflalign.sweep import plan_sweep, run_sweep
 
 SWEEP = """
@@ -79,6 +78,33 @@ def test_sweep_skips_finished_and_resumes_unfinished(sweep_file, tmp_path, capsy
     assert "different config (rounds: 2 there, 3 now)" in capsys.readouterr().err
 
 
+def test_finished_runs_kept_elsewhere_count_as_finished(sweep_file, tmp_path, capsys):
+    """--done: the small files of a finished run, copied elsewhere (as committed results are),
+    make the sweep skip that run; a copy made with other settings is refused."""
+    import shutil
+
+    made = plan_sweep(str(sweep_file), tmp_path / "first")[0]
+    run(made.cfg, made.out, progress=False)
+    kept = tmp_path / "kept" / "synth" / "fedavg" / "seed0"
+    kept.mkdir(parents=True)
+    for name in (ckpt.CONFIG, ckpt.RESULTS, ckpt.METRICS):  # no checkpoint
+        shutil.copy(made.out / name, kept / name)
+    saved = json.loads((kept / ckpt.CONFIG).read_text())
+    saved["data"]["dir"] = "/elsewhere/on/another/machine"  # the data path may differ there
+    (kept / ckpt.CONFIG).write_text(json.dumps(saved))
+    runs = plan_sweep(str(sweep_file), tmp_path / "second", done=[tmp_path / "kept"])
+    assert [r.state() for r in runs] == ["finished", "new", "new", "new"]
+    assert main(["sweep", "--config", str(sweep_file), "--out", str(tmp_path / "second"), "--done",
+                 str(tmp_path / "kept"), "--dry-run"]) == 0
+    assert "synth/fedavg/seed0" in capsys.readouterr().out.splitlines()[0].split()[0]
+    assert not (tmp_path / "second" / "synth" / "fedavg" / "seed0").exists()
+    assert main(["sweep", "--config", str(sweep_file), "--out", str(tmp_path / "second"), "--done",
+                 str(tmp_path / "kept"), "--set", "rounds=3", "--dry-run"]) == 2
+    assert "kept/synth/fedavg/seed0 was made with a different config (rounds: 2 there, 3 now)" in capsys.readouterr().err
+    assert main(["sweep", "--config", str(sweep_file), "--out", str(tmp_path / "x"), "--done",
+                 str(tmp_path / "nowhere")]) == 2
+
+
 def test_dry_run_lists_runs_and_states(sweep_file, tmp_path, capsys):
     assert main(["sweep", "--config", str(sweep_file), "--out", str(tmp_path / "o"), "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -92,8 +118,10 @@ def test_table1_presets_hold_the_paper_grid(tmp_path):
     flan = tmp_path / "flan"
     flan.mkdir()
     runs = plan_sweep("table1-flan", tmp_path / "out", data_dir=str(flan))
-    expected = {c.name for c in (*LORA_MODULATION, *OPTIMIZER_BASED)} | {"pflalign"}
-    assert {r.method for r in runs} == expected and len(runs) == 3 * len(expected)
+    # the paper's LLaMA rows plus local: 11 methods x 3 seeds = 33 runs
+    expected = ["ffa-lora", "fedsa-lora", "fedsvd", "fedavg", "fedprox", "fedsam", "scaffold", "feddyn", "fedyogi",
+                "local", "pflalign"]
+    assert [r.method for r in runs[::3]] == expected and len(runs) == 33
     assert {r.seed for r in runs} == {0, 1, 2}
     cfg = runs[0].cfg
     assert (cfg.data.name, cfg.data.dir, cfg.rounds, cfg.local_steps, cfg.batch_size, cfg.lr, cfg.lora.r) == (

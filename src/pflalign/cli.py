@@ -64,7 +64,8 @@ def cmd_sweep(args) -> int:
             seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
         except ValueError:
             raise UserError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
-    runs = plan_sweep(args.config, Path(args.out), parse_set(args.set or []), args.data_dir, seeds)
+    runs = plan_sweep(args.config, Path(args.out), parse_set(args.set or []), args.data_dir, seeds,
+                      done=args.done or [])
     if args.dry_run:
         for r in runs:
             print(f"{r.key:<40} {r.state():<10} {r.out}")
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--data-dir", help="the dataset location (a sweep with one dataset)")
     sweep.add_argument("--seeds", metavar="S,S,...", help="replace the sweep's seeds, e.g. 0,1")
     sweep.add_argument("--dry-run", action="store_true", help="list the runs and their state, run nothing")
+    sweep.add_argument("--done", action="append", metavar="DIR",
+                       help="a folder of finished runs in the sweep's layout kept elsewhere (e.g. committed "
+                            "results): a run found there with the same config is skipped (repeatable)")
     sweep.add_argument("--no-progress", action="store_true", help="no progress bars")
     sweep.set_defaults(func=cmd_sweep)
 

@@ -26,6 +26,10 @@ the first run starts, so a typo fails at once and not hours later.
 Run k goes to OUT/<dataset>/<method>/seed<seed>/. A run with `results.json`
 is finished and skipped; one with a checkpoint is resumed; a run directory
 made with a different config is refused, so a table never mixes settings.
+`--done DIR` names folders of finished runs kept elsewhere in the same layout
+(e.g. the small files committed under docs/results/table1-flan/runs): a run
+found there with the same config counts as finished, so a fresh machine runs
+only what is left.
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ from tqdm.auto import tqdm
 from . import checkpoint as ckpt
 from .config import RunConfig, build_config, load_config_source, to_dict
 from .errors import UserError
-from .methods import LORA_MODULATION, OPTIMIZER_BASED, method_class
+from .methods import method_class
 
-# The paper's Table 1: both families of baselines and pFLAlign (no ablations).
-TABLE1_METHODS = [cls.name for cls in (*LORA_MODULATION, *OPTIMIZER_BASED)] + ["pflalign"]
+# The paper's Table 1 (its LLaMA rows: both families of baselines and pFLAlign), plus
+# `local`, no collaboration at all, the first thing a pFL reader asks about.
+TABLE1_METHODS = ["ffa-lora", "fedsa-lora", "fedsvd", "fedavg", "fedprox", "fedsam", "scaffold", "feddyn",
+                  "fedyogi", "local", "pflalign"]
 
 SWEEP_PRESETS: dict[str, dict] = {
     "table1-flan": {"methods": TABLE1_METHODS, "seeds": [0, 1, 2],
@@ -65,6 +71,7 @@ class PlannedRun:
     seed: int
     cfg: RunConfig
     out: Path
+    done: Path | None = None  # a finished copy of this run kept elsewhere (--done)
 
     @property
     def key(self) -> str:
@@ -72,7 +79,7 @@ class PlannedRun:
 
     def state(self) -> str:
         """'finished', 'unfinished' (a checkpoint to resume) or 'new'."""
-        if (self.out / ckpt.RESULTS).exists():
+        if self.done is not None or (self.out / ckpt.RESULTS).exists():
             return "finished"
         if ckpt.has_run_checkpoint(self.out):
             return "unfinished"
@@ -125,9 +132,14 @@ def _check_keys(table: dict, allowed: set, where: str) -> None:
 
 
 def plan_sweep(source: str, out: Path | str, overrides: dict | None = None,
-               data_dir: str | None = None, seeds: list[int] | None = None) -> list[PlannedRun]:
+               data_dir: str | None = None, seeds: list[int] | None = None,
+               done: list[Path | str] = ()) -> list[PlannedRun]:
     """Every run of the sweep, with its config built and checked, in run order
-    (dataset, then method, then seed). `seeds` replaces the config's seeds."""
+    (dataset, then method, then seed). `seeds` replaces the config's seeds;
+    `done` lists folders of finished runs in the sweep's layout, kept elsewhere."""
+    for folder in done:
+        if not Path(folder).is_dir():
+            raise UserError(f"--done {folder}: not a folder")
     spec = load_sweep_source(source)
     if not isinstance(spec, dict):
         raise UserError("sweep config: expected a table with methods, seeds, datasets")
@@ -178,7 +190,10 @@ def plan_sweep(source: str, out: Path | str, overrides: dict | None = None,
                 if cfg.data.name != "synthetic" and not cfg.data.dir:
                     raise UserError(f"dataset {name!r} ({cfg.data.name}) needs its data: pass --data-dir "
                                     f"or give data_dir in the sweep config")
-                runs.append(PlannedRun(name, method, seed, cfg, Path(out) / name / method / f"seed{seed}"))
+                where_to = Path(out) / name / method / f"seed{seed}"
+                copies = [Path(f) / name / method / f"seed{seed}" for f in done]
+                finished = next((c for c in copies if (c / ckpt.RESULTS).is_file()), None)
+                runs.append(PlannedRun(name, method, seed, cfg, where_to, finished))
     for r in runs:
         _check_same_config(r)
     return runs
@@ -203,7 +218,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def _check_same_config(run: PlannedRun) -> None:
     """Refuse to skip or resume a run directory that was made with other settings."""
-    saved_path = run.out / ckpt.CONFIG
+    saved_path = (run.done or run.out) / ckpt.CONFIG
     if run.state() == "new" or not saved_path.exists():
         return
     try:
@@ -211,10 +226,12 @@ def _check_same_config(run: PlannedRun) -> None:
     except (UserError, json.JSONDecodeError) as exc:
         raise UserError(f"{saved_path}: unreadable saved config ({exc})") from exc
     wanted = _flat(json.loads(json.dumps(to_dict(run.cfg))))
+    if run.done is not None:  # a copy made on another machine: the same data may lie elsewhere there
+        saved.pop("data.dir", None), wanted.pop("data.dir", None)
     diffs = [f"{k}: {saved.get(k)!r} there, {wanted.get(k)!r} now"
              for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
     if diffs:
-        raise UserError(f"{run.out} was made with a different config ({'; '.join(diffs[:3])}); "
+        raise UserError(f"{run.done or run.out} was made with a different config ({'; '.join(diffs[:3])}); "
                         f"use another --out or remove that run")
 
 
@@ -231,7 +248,7 @@ def run_sweep(runs: list[PlannedRun], progress: bool = True) -> list[dict]:
         state = r.state()
         bar.set_postfix_str(r.key)
         if state == "finished":
-            results = json.loads((r.out / ckpt.RESULTS).read_text())
+            results = json.loads(((r.done or r.out) / ckpt.RESULTS).read_text())
             say(f"{head}: finished earlier, avg ROUGE-L {results['avg_rouge_l_personalized']:.2f}")
         else:
             tic = time.perf_counter()
