@@ -103,6 +103,34 @@ def test_fedsa_lora_never_starts_from_an_averaged_b():
         assert not torch.equal(glob[B], states[0]["B"][B]) and not torch.equal(glob[B], states[1]["B"][B])
 
 
+def test_fedsa_lora_personalized_model_is_aggregated_a_with_own_b():
+    init, weights = lora_init(), [0.25, 0.75]
+    method = FedSALoRA()
+    glob, personal, states = simulate(method, init, [lora_target_loss(m) for m in targets()], weights,
+                                      rounds=1, steps=3, lr=0.1)
+    for k in range(2):
+        evaluated = method.personalized_after_aggregation(glob, personal[k], states[k])
+        # A^{r+1} = 0.25 A_0 + 0.75 A_1, the server's; B_k, the client's own
+        assert torch.allclose(evaluated[A], 0.25 * personal[0][A] + 0.75 * personal[1][A], rtol=0, atol=1e-15)
+        assert torch.equal(evaluated[A], glob[A]) and not torch.equal(evaluated[A], personal[k][A])
+        assert torch.equal(evaluated[B], personal[k][B]) and not torch.equal(evaluated[B], glob[B])
+    before = FedSALoRA(FedSALoRAArgs(personalized="before_aggregation"))
+    assert before.personalized_after_aggregation(glob, personal[0], states[0]) is personal[0]  # own A_0, B_0
+    with pytest.raises(ValueError, match="personalized"):
+        FedSALoRAArgs(personalized="both")
+
+
+def test_other_methods_evaluate_the_model_their_last_round_left():
+    init = lora_init()
+    for name in ("fedavg", "ffa-lora", "fedsvd", "pflalign"):
+        from pflalign.methods import METHODS
+
+        method = METHODS[name]()
+        glob, personal, states = simulate(method, init, [lora_target_loss(m) for m in targets()], [0.5, 0.5],
+                                          rounds=1, steps=2, lr=0.1)
+        assert method.personalized_after_aggregation(glob, personal[0], states[0]) is personal[0], name
+
+
 def test_fedsa_lora_global_b_init_keeps_the_initial_b():
     init = lora_init()
     glob, _, states = simulate(FedSALoRA(FedSALoRAArgs(global_b="init")), init,

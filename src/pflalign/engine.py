@@ -271,8 +271,11 @@ class Federation:
         return scores, outputs
 
     def _personalized(self, c: Client) -> Params:
-        """A client's personalized adapter; the global one before its first round."""
-        return c.personalized if c.personalized is not None else self.global_params
+        """A client's personalized adapter as evaluated (after aggregation, as its method defines it);
+        the global one before its first round."""
+        if c.personalized is None:
+            return self.global_params
+        return self.method.personalized_after_aggregation(self.global_params, c.personalized, c.state)
 
     def round_eval(self, round_index: int, metrics: ckpt.MetricsLog) -> None:
         """Score every client on its first `eval.every_max_test` test examples

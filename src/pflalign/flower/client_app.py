@@ -184,12 +184,13 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Score the personalized model (the global one if this client never trained), the global
     model and, when asked, the base model on the first `limit` test examples (0: all)."""
-    cfg, conf, lm, client, _, folder = _setup(msg, context)
+    cfg, conf, lm, client, method, folder = _setup(msg, context)
     dtype, device = next(iter(lm.lora.values())).dtype, lm.device
     global_params = wire.from_record(msg.content[wire.GLOBAL], dtype, device)
     limit = int(conf.get("limit", 0)) or None
     test = client.data.test[:limit]
-    personal = client.personalized if client.personalized is not None else global_params
+    personal = global_params if client.personalized is None else \
+        method.personalized_after_aggregation(global_params, client.personalized, client.state)
     outputs, reply = {}, _info(client)
     jobs = [("personalized", personal), ("global", global_params)] + ([("base", None)] if conf.get("base") else [])
     for label, adapter in jobs:

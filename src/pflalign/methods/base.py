@@ -125,6 +125,12 @@ class Method:
         """The client's personalized model after this round (default: its local model w_{k,T})."""
         return clone(params)
 
+    def personalized_after_aggregation(self, global_params: Params, personalized: Params, state: State) -> Params:
+        """The personalized model that is evaluated (and exported): called with the newest global
+        adapter, after the server aggregated. Default: `personalized` as the last round left it.
+        FedSA-LoRA overrides it (the aggregated A with the client's own B)."""
+        return personalized
+
     # ---- server side -------------------------------------------------------
     def init_server_state(self, global_params: Params) -> State:
         return {}

@@ -20,10 +20,16 @@ Server (weighted by |D_k|, as FedAvg; the official code, FederatedScope with
 B is never averaged into training: no client ever starts from anything but
 its own B_k.
 
-Personalized model of client k: its local model after its last round, i.e.
-its own trained A_k and B_k. (The other natural choice, the next round's
-global A with the client's own B, cannot be expressed: the engine takes the
-personalized model before the server aggregates.)
+Personalized model of client k, argument `personalized`:
+
+    "after_aggregation" (default): the aggregated A^{r+1} with the client's own
+        B_k, i.e. the model the client holds once the server round is done.
+        This is what the official code evaluates (FederatedScope-LLM keeps
+        `local_param: ['lora_B']` on the client and loads every other tensor
+        from the server's model before evaluating), and what other public
+        re-implementations do; the Table 1 runs use it.
+    "before_aggregation": its local model after its last round, its own
+        trained A_k and B_k (this project's rule before issue 19).
 
 Global model for evaluation (FedSA-LoRA itself has no global B; the engine
 needs a full adapter), argument `global_b`:
@@ -43,15 +49,20 @@ from .base import Message, Method, Params, RoundContext, State, clone, weighted_
 from .ffa_lora import is_lora_b
 
 GLOBAL_B_RULES = ("mean", "init")
+PERSONALIZED_RULES = ("after_aggregation", "before_aggregation")
 
 
 @dataclass
 class FedSALoRAArgs:
     global_b: str = "mean"  # the B of the global (evaluation) model: mean | init
+    personalized: str = "after_aggregation"  # the personalized model: global A + own B | own A and B
 
     def __post_init__(self):
         if self.global_b not in GLOBAL_B_RULES:
             raise ValueError(f"global_b must be one of {', '.join(GLOBAL_B_RULES)}, got {self.global_b!r}")
+        if self.personalized not in PERSONALIZED_RULES:
+            raise ValueError(f"personalized must be one of {', '.join(PERSONALIZED_RULES)}, "
+                             f"got {self.personalized!r}")
 
 
 class FedSALoRA(Method):
@@ -72,6 +83,11 @@ class FedSALoRA(Method):
         if self.args.global_b == "mean":
             message["eval_B"] = clone(own_b)  # evaluation-only upload, see the module docstring
         return message
+
+    def personalized_after_aggregation(self, global_params: Params, personalized: Params, state: State) -> Params:
+        if self.args.personalized == "before_aggregation":
+            return personalized
+        return {n: state["B"][n] if is_lora_b(n) else w for n, w in global_params.items()}
 
     def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
                   server_state: State, ctx: RoundContext) -> Params:
