@@ -637,3 +637,27 @@ def test_flan_garbage_is_a_user_error_or_loads(training: bytes, test_lines: list
             assert re.match(where, message) or message.startswith(category), message
         else:
             assert [client.task for client in clients] == ["closed_qa"]
+
+
+# ---- a validation split carved from the training data (hyperparameter tuning) ----
+def test_validation_is_held_out_of_training_and_never_touches_test(flan_dir: Path) -> None:
+    full = load_federation("flan", str(flan_dir), None, 42, None, None)
+    held = load_federation("flan", str(flan_dir), None, 42, None, None, validation=50)
+    for whole, part in zip(full, held):
+        assert part.task == whole.task and len(part.test) == 50 and len(part.train) == 250
+        # disjoint, and together exactly the training data, each part in file order
+        assert sorted(map(repr, part.train + part.test)) == sorted(map(repr, whole.train))
+        assert not set(part.train) & set(part.test)
+        order = {e: i for i, e in enumerate(whole.train)}
+        assert [order[e] for e in part.train] == sorted(order[e] for e in part.train)
+        assert not set(part.test) & set(whole.test)  # no test example is looked at
+    again = load_federation("flan", str(flan_dir), None, 42, None, None, validation=50)
+    other = load_federation("flan", str(flan_dir), None, 7, None, None, validation=50)
+    assert [c.test for c in again] == [c.test for c in held]  # split_seed fixes it, whatever the run seed
+    assert [c.test for c in other] != [c.test for c in held]
+
+
+def test_validation_size_must_leave_training_data() -> None:
+    for n in (64, 0):
+        with pytest.raises(UserError, match=r"data.validation=.* client 'arithmetic' has 64 training"):
+            load_federation("synthetic", None, ["arithmetic"], 42, None, None, validation=n)

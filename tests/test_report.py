@@ -132,6 +132,16 @@ def test_paired_differences_by_hand(sweep_dir, tmp_path):
     assert "### Training dynamics" in report and "| pFLAlign | " in report
 
 
+def test_grid_points_of_a_method_get_their_own_rows(sweep_dir, tmp_path):
+    import shutil
+
+    for name in ("fedavg", "fedavg@mu=0.1,x=2"):
+        shutil.copytree(sweep_dir / "synthetic" / "fedavg" / "seed0", tmp_path / "runs" / "synthetic" / name / "seed0")
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "r")]) == 0
+    names = [line.split("|")[1].strip() for line in (tmp_path / "r" / "synthetic" / "table.md").read_text().splitlines()[2:]]
+    assert names == ["*Optimizer-based*", "FedAvg", "FedAvg (mu=0.1,x=2)"]
+
+
 def test_report_skips_missing_round_eval_with_a_note(sweep_dir, tmp_path):
     assert main(["report", str(sweep_dir / "synthetic" / "pflalign"), "--out", str(tmp_path)]) == 0
     report = (tmp_path / "report.md").read_text()

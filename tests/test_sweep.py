@@ -7,6 +7,7 @@ import pytest
 from pflalign import checkpoint as ckpt
 from pflalign.cli import main
 from pflalign.engine import run
+from pflalign.errors import UserError
 from pflalign.sweep import plan_sweep, run_sweep
 
 SWEEP = """
@@ -76,6 +77,25 @@ def test_sweep_skips_finished_and_resumes_unfinished(sweep_file, tmp_path, capsy
     assert capsys.readouterr().out.count("finished earlier") == 4
     assert main(["sweep", "--config", str(sweep_file), "--out", str(out), "--set", "rounds=3"]) == 2
     assert "different config (rounds: 2 there, 3 now)" in capsys.readouterr().err
+
+
+def test_grid_makes_one_run_per_combination(sweep_file, tmp_path):
+    text = sweep_file.read_text() + "\n[grid.pflalign]\nbeta = [0.5, 0.9]\ngamma = ['erf', 'hard']\n"
+    sweep_file.write_text(text.replace("[method_args.pflalign]\nbeta = 0.8\n", "[method_args.pflalign]\neps = 1e-8\n"))
+    runs = plan_sweep(str(sweep_file), tmp_path / "out", seeds=[0])
+    assert [r.key for r in runs] == ["synth/fedavg/seed0", "synth/pflalign@beta=0.5,gamma=erf/seed0",
+                                     "synth/pflalign@beta=0.5,gamma=hard/seed0",
+                                     "synth/pflalign@beta=0.9,gamma=erf/seed0",
+                                     "synth/pflalign@beta=0.9,gamma=hard/seed0"]
+    assert runs[2].cfg.method == "pflalign" and runs[2].cfg.method_args == {"eps": 1e-8, "beta": 0.5, "gamma": "hard"}
+    assert runs[2].out == tmp_path / "out" / "synth" / "pflalign@beta=0.5,gamma=hard" / "seed0"
+    bad = sweep_file.read_text() + "\n[grid.fedprox]\nmu = [0.1]\n"
+    sweep_file.write_text(bad)
+    with pytest.raises(UserError, match="grid.fedprox names a method that is not in 'methods'"):
+        plan_sweep(str(sweep_file), tmp_path / "out")
+    sweep_file.write_text(text.replace("beta = [0.5, 0.9]", "beta = 0.5"))
+    with pytest.raises(UserError, match="grid.pflalign.beta must be a non-empty list"):
+        plan_sweep(str(sweep_file), tmp_path / "out")
 
 
 def test_finished_runs_kept_elsewhere_count_as_finished(sweep_file, tmp_path, capsys):

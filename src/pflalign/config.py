@@ -29,6 +29,7 @@ class DataConfig:
     split_seed: int = 42  # Dolly's train/test split; fixed across run seeds
     max_train: int | None = None  # keep the first N training examples per client
     max_test: int | None = None  # evaluate on the first N test examples per client
+    validation: int | None = None  # hold out N training examples per client and evaluate on them (tuning)
 
 
 @dataclass
@@ -214,6 +215,7 @@ def validate(cfg: RunConfig) -> None:
         if not ok:
             raise UserError(message)
     for name, value in (("data.max_train", cfg.data.max_train), ("data.max_test", cfg.data.max_test),
+                        ("data.validation", cfg.data.validation),
                         ("eval.every_max_test", cfg.eval.every_max_test)):
         if value is not None and value <= 0:
             raise UserError(f"{name} must be > 0, got {value}")

@@ -147,7 +147,7 @@ class Federation:
         self.progress = progress
         datasets = load_federation(
             cfg.data.name, cfg.data.dir, cfg.data.clients, cfg.data.split_seed,
-            cfg.data.max_train, cfg.data.max_test,
+            cfg.data.max_train, cfg.data.max_test, cfg.data.validation,
         )
         dtype = getattr(torch, cfg.dtype)
         self.lm = FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=dtype, device=resolve_device(cfg.device))

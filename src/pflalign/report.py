@@ -40,22 +40,31 @@ LABELS = {
 DEFAULT_CLIENT = "structure_to_text"  # the client of the paper's GSNR figure (FLAN)
 
 
+def base_method(method: str) -> str:
+    """The method of a sweep's grid point ("fedprox@mu=0.01" → "fedprox")."""
+    return method.split("@", 1)[0]
+
+
 def label(method: str) -> str:
-    """The paper's spelling of a method name (the registry name when it has none)."""
-    return LABELS.get(method, method)
+    """The paper's spelling of a method name (the registry name when it has none); a grid
+    point's arguments follow in parentheses."""
+    base, _, args = method.partition("@")
+    return LABELS.get(base, base) + (f" ({args})" if args else "")
 
 
 def family(method: str) -> str:
     for name, members in FAMILIES:
-        if method in members:
+        if base_method(method) in members:
             return name
     return "Other"
 
 
 def method_order(methods) -> list[str]:
-    """Families in the paper's order, registry order inside a family, unknown names last (sorted)."""
+    """Families in the paper's order, registry order inside a family (a method's grid points
+    sorted after it), unknown names last (sorted)."""
     known = [m for _, members in FAMILIES for m in members]
-    return sorted(set(methods), key=lambda m: (known.index(m), "") if m in known else (len(known), m))
+    return sorted(set(methods), key=lambda m: (known.index(base_method(m)), m) if base_method(m) in known
+                  else (len(known), m))
 
 
 # ---- statistics -------------------------------------------------------------
@@ -154,7 +163,10 @@ def find_runs(root: Path) -> tuple[list[Run], list[str]]:
             notes.append(f"{d}: left out, unreadable results/config ({exc})")
             continue
         rel = d.relative_to(root).parts
-        dataset = rel[-3] if len(rel) >= 3 and rel[-2] == method else results.get("dataset", "runs")
+        in_layout = len(rel) >= 3 and (rel[-2] == method or rel[-2].startswith(method + "@"))
+        if in_layout:
+            method = rel[-2]  # a sweep's grid point keeps its own row
+        dataset = rel[-3] if in_layout else results.get("dataset", "runs")
         runs.append(Run(d, dataset, method, seed, results, config, _read_metrics(d / ckpt.METRICS)))
     return runs, notes
 

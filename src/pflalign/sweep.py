@@ -12,6 +12,9 @@ A sweep config is a TOML or JSON file (or a preset name, `table1-flan`,
     [method_args.fedprox]                # optional: one method's hyperparameters
     mu = 0.01
 
+    [grid.fedprox]                       # optional: one run per value (per combination)
+    mu = [0.001, 0.01, 0.1]
+
     [[datasets]]                         # one or more
     name = "flan"                        # folder under --out; the report's dataset label
     config = "flan-paper"                # optional: run preset or run-config file
@@ -23,7 +26,9 @@ Every run's config is, later winning: defaults ← the dataset's `config` ←
 seed and data dir of the grid point. All of them are built and checked before
 the first run starts, so a typo fails at once and not hours later.
 
-Run k goes to OUT/<dataset>/<method>/seed<seed>/. A run with `results.json`
+Run k goes to OUT/<dataset>/<method>/seed<seed>/; a grid point of a method
+to OUT/<dataset>/<method>@<arg>=<value>[,...]/seed<seed>/, and the report shows
+each grid point as its own row. A run with `results.json`
 is finished and skipped; one with a checkpoint is resumed; a run directory
 made with a different config is refused, so a table never mixes settings.
 `--done DIR` names folders of finished runs kept elsewhere in the same layout
@@ -58,7 +63,24 @@ SWEEP_PRESETS: dict[str, dict] = {
                      "datasets": [{"name": "dolly", "config": "dolly-paper"}]},
 }
 
-SWEEP_KEYS = {"methods", "seeds", "datasets", "base", "method_args"}
+# Choosing the baselines' key hyperparameters (and pFLAlign's β, with the same budget of 4
+# values) on a validation split carved from each client's training data (data.validation:
+# 50 of FLAN's 300), never the test split, at a reduced protocol: 10 rounds, one seed.
+TUNE_GRID = {
+    "fedprox": {"mu": [0.001, 0.01, 0.1, 1.0]},
+    "fedsam": {"rho": [0.01, 0.05, 0.1, 0.5]},
+    "feddyn": {"alpha": [0.001, 0.01, 0.1, 1.0]},
+    "fedyogi": {"server_lr": [0.01, 0.1], "tau": [1e-3, 1e-5]},
+    "fedgloss": {"rho": [0.01, 0.05, 0.15, 0.5]},
+    "pflalign": {"beta": [0.8, 0.9, 0.95, 0.99]},
+}
+SWEEP_PRESETS["tune-flan"] = {
+    "methods": ["fedavg", *TUNE_GRID], "seeds": [0], "grid": TUNE_GRID,
+    "base": {"rounds": 10, "data": {"validation": 50}, "eval": {"base_model": False}},
+    "datasets": [{"name": "flan", "config": "flan-paper"}],
+}
+
+SWEEP_KEYS = {"methods", "seeds", "datasets", "base", "method_args", "grid"}
 DATASET_KEYS = {"name", "config", "data_dir", "set"}
 
 
@@ -67,7 +89,7 @@ class PlannedRun:
     """One grid point: where it goes and its full config."""
 
     dataset: str
-    method: str
+    method: str  # the method's name, or a grid point's: "fedprox@mu=0.01"
     seed: int
     cfg: RunConfig
     out: Path
@@ -163,6 +185,11 @@ def plan_sweep(source: str, out: Path | str, overrides: dict | None = None,
     for m in per_method:
         if m not in methods:
             raise UserError(f"sweep config: method_args.{m} names a method that is not in 'methods'")
+    grid = _table(spec, "grid")
+    points = {m: _grid_points(grid, m) for m in methods}
+    for m in grid:
+        if m not in methods:
+            raise UserError(f"sweep config: grid.{m} names a method that is not in 'methods'")
 
     runs, names = [], set()
     for entry in datasets:
@@ -182,21 +209,36 @@ def plan_sweep(source: str, out: Path | str, overrides: dict | None = None,
         chosen_dir = data_dir if data_dir is not None else entry.get("data_dir")
         if chosen_dir is not None:
             common = _merge(common, {"data": {"dir": _absolute_if_exists(str(chosen_dir))}})
-        for method in methods:
+        for method, (variant, args) in ((m, p) for m in methods for p in points[m]):
             for seed in seeds:
                 layers = _merge(common, {"method_args": _table(per_method, method, "sweep config method_args")})
-                layers = _merge(layers, {"method": method, "seed": seed})
+                layers = _merge(layers, {"method": method, "seed": seed, "method_args": args})
                 cfg = build_config(None, layers)
                 if cfg.data.name != "synthetic" and not cfg.data.dir:
                     raise UserError(f"dataset {name!r} ({cfg.data.name}) needs its data: pass --data-dir "
                                     f"or give data_dir in the sweep config")
-                where_to = Path(out) / name / method / f"seed{seed}"
-                copies = [Path(f) / name / method / f"seed{seed}" for f in done]
+                where_to = Path(out) / name / variant / f"seed{seed}"
+                copies = [Path(f) / name / variant / f"seed{seed}" for f in done]
                 finished = next((c for c in copies if (c / ckpt.RESULTS).is_file()), None)
-                runs.append(PlannedRun(name, method, seed, cfg, where_to, finished))
+                runs.append(PlannedRun(name, variant, seed, cfg, where_to, finished))
     for r in runs:
         _check_same_config(r)
     return runs
+
+
+def _grid_points(grid: dict, method: str) -> list[tuple[str, dict]]:
+    """(folder name, method_args) of every combination of a method's grid values; the method
+    alone when it has no grid."""
+    table = _table(grid, method, "sweep config grid")
+    if not table:
+        return [(method, {})]
+    for arg, values in table.items():
+        if not isinstance(values, list) or not values:
+            raise UserError(f"sweep config: grid.{method}.{arg} must be a non-empty list of values")
+    points = [{}]
+    for arg, values in table.items():
+        points = [{**p, arg: v} for p in points for v in values]
+    return [(method + "@" + ",".join(f"{k}={v}" for k, v in p.items()), p) for p in points]
 
 
 def _absolute_if_exists(path: str) -> str:

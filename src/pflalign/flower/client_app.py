@@ -99,7 +99,7 @@ def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]
 
     def load():
         (data,) = load_federation(cfg.data.name, data_dir, [tasks[k]], cfg.data.split_seed,
-                                  cfg.data.max_train, cfg.data.max_test)
+                                  cfg.data.max_train, cfg.data.max_test, cfg.data.validation)
         return make_client(k, data, lm.tokenizer, cfg, state={})
 
     client = _cached(data_key, load)
