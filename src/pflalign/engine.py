@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import allocator, checkpoint as ckpt
+from .base_cache import base_generations
 from .config import RunConfig, build_config, method_args, to_dict
 from .client import local_round
 from .data import ClientData
@@ -79,9 +80,16 @@ def score_client(lm: FederatedLM, test: list, adapter: Params | None, cfg: RunCo
     prompts = [encode_prompt(lm.tokenizer, ex, cfg.max_seq_len)[0] for ex in test]
     if adapter is not None:
         lm.set_lora(adapter)
-    with lm.model.disable_adapter() if adapter is None else lm.merged():
-        preds = generate(lm.model, lm.tokenizer, prompts, cfg.eval.max_new_tokens, cfg.eval.batch_size,
-                         desc=desc, progress=progress)
+
+    def run_generation():
+        with lm.model.disable_adapter() if adapter is None else lm.merged():
+            return generate(lm.model, lm.tokenizer, prompts, cfg.eval.max_new_tokens, cfg.eval.batch_size,
+                            desc=desc, progress=progress)
+
+    if adapter is None:  # the base model's outputs are the same in every run of this split: cached
+        preds = base_generations(lm, prompts, cfg.eval.max_new_tokens, cfg.eval.batch_size, run_generation)
+    else:
+        preds = run_generation()
     return rouge_l(preds, [ex.response for ex in test]), preds
 
 

@@ -1,0 +1,60 @@
+"""The base model's generations are cached across runs: same outputs, no second generation."""
+
+import json
+
+import pytest
+
+from pflalign import checkpoint as ckpt
+from pflalign import engine
+from pflalign.config import build_config
+
+TINY = {
+    "model": "tiny-llama", "lora": {"r": 2, "alpha": 4}, "rounds": 1, "local_steps": 1, "batch_size": 2,
+    "max_seq_len": 64, "data": {"name": "synthetic", "clients": ["arithmetic", "sorting"], "max_train": 4,
+                                "max_test": 3},
+    "eval": {"max_new_tokens": 3, "batch_size": 4},
+}
+
+
+@pytest.fixture
+def counted(monkeypatch, tmp_path):
+    monkeypatch.setenv("PFLALIGN_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = engine.generate
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("desc"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", counting)
+    return calls
+
+
+def _run(out, **over):
+    cfg = json.loads(json.dumps(TINY))
+    cfg.update(over)
+    return engine.run(build_config(None, cfg), out, progress=False)
+
+
+def test_second_run_of_the_same_split_reuses_the_base_generations(tmp_path, counted):
+    first = _run(tmp_path / "a", method="fedavg")
+    assert sum("base" in d for d in counted) == 2  # one per client
+    counted.clear()
+    second = _run(tmp_path / "b", method="pflalign", seed=3)  # another method and seed, same split
+    assert not any("base" in d for d in counted) and len(counted) == 4  # personalized + global only
+    assert [c["rouge_l_base"] for c in second["clients"]] == [c["rouge_l_base"] for c in first["clients"]]
+    base = lambda out: [p["base"] for p in map(json.loads, (out / ckpt.PREDICTIONS).read_text().splitlines())]  # noqa: E731
+    assert base(tmp_path / "b") == base(tmp_path / "a")
+    counted.clear()
+    _run(tmp_path / "c", method="fedavg", eval={"max_new_tokens": 2, "batch_size": 4})  # another key
+    assert sum("base" in d for d in counted) == 2
+
+
+def test_damaged_entry_is_regenerated(tmp_path, counted):
+    first = _run(tmp_path / "a", method="fedavg")
+    for entry in (tmp_path / "cache" / "base-eval").glob("*.json"):
+        entry.write_text('["trunc')
+    counted.clear()
+    again = _run(tmp_path / "b", method="fedavg")
+    assert sum("base" in d for d in counted) == 2
+    assert again["clients"] == first["clients"]
