@@ -1,0 +1,208 @@
+"""A Flower federation on this machine, for the tests and the benchmarks: a
+SuperLink (Deployment Engine, or Simulation Engine with ``simulation=True``)
+and SuperNodes as real processes on 127.0.0.1 (insecure), `flwr run` of this
+repository's app, and a clean stop.
+
+Every process is started in its own session and tracked together with the
+processes it starts (SuperExec, the ServerApp and ClientApp processes, Ray),
+so that `Processes.close` stops them all, the detached ones too, and
+`Processes.leftovers` can check that nothing is left running or listening.
+``FLWR_HOME`` is a folder under ``root`` whose ``config.toml`` names the
+SuperLink ``cluster``: ``~/.flwr`` is neither read nor written. Ports are
+free ones picked at start. Each process logs to ``root/<name>.log``.
+
+    cluster = Cluster(root, app=REPO, clients=4)
+    try:
+        cluster.start_link()
+        for k in range(4):
+            cluster.start_node(k)
+        cluster.flwr_run({"config": "flan-paper", "out": "/abs/out"}, "run")
+        log = cluster.finish("run")
+    finally:
+        cluster.close()
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+BIN = Path(sys.executable).parent  # flwr, flower-superlink, flower-supernode, flower-superexec
+ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",  # nothing leaves the machine
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # the app runs from this environment
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Ray (Simulation Engine) on 127.0.0.1 only
+    "TOKENIZERS_PARALLELISM": "false",
+}
+CONNECTION = "cluster"  # the SuperLink's name in FLWR_HOME/config.toml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before listening on {port}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class Processes:
+    """Processes started in their own sessions (logs in `root`), stopped together by `close`."""
+
+    def __init__(self, root: Path, env: dict | None = None):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, **ENV, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.seen: dict[int, psutil.Process] = {}  # every process started, with the ones they started
+        self.ports: list[int] = []
+
+    def start(self, name: str, args: list[str], port: int | None = None) -> subprocess.Popen:
+        """Start `args` as `name`; with `port`, wait until it listens there."""
+        log = open(self.root / f"{name}.log", "ab")
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
+                                start_new_session=True)
+        log.close()
+        self.procs[name] = proc
+        self.track()
+        if port is not None:
+            self.ports.append(port)
+            wait_listening(port, proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text(errors="replace")
+
+    def finish(self, name: str, timeout: float | None = None) -> str:
+        """Wait for process `name` to end; its output."""
+        try:
+            self.procs[name].wait(timeout=timeout)
+        finally:
+            self.track()
+        return self.log(name)
+
+    def track(self) -> None:
+        for proc in self.procs.values():
+            try:
+                parent = psutil.Process(proc.pid)
+                for p in [parent, *parent.children(recursive=True)]:
+                    self.seen.setdefault(p.pid, p)
+            except psutil.NoSuchProcess:
+                pass
+
+    def close(self) -> None:
+        """SIGTERM to every process group, then SIGKILL to whatever of them (or of theirs) is left."""
+        self.track()
+        for proc in self.procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 20
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.seen.values():  # whatever is left, with the detached ones (SuperExec, app processes)
+            if alive(p):
+                p.kill()
+        for proc in self.procs.values():
+            proc.wait(timeout=30)
+        psutil.wait_procs([p for p in self.seen.values() if alive(p)], timeout=30)
+
+    def leftovers(self) -> list[str]:
+        """Processes of ours still running, and our ports still listening (after `close`: none)."""
+        left = [f"process {p.pid} {p.name()}" for p in self.seen.values() if alive(p)]
+        return left + [f"port {c.laddr.port} still listening" for c in psutil.net_connections(kind="inet")
+                       if c.status == psutil.CONN_LISTEN and c.laddr.port in self.ports]
+
+
+class Cluster(Processes):
+    """A SuperLink (simulation or not), SuperNodes (one per client) and `flwr run` of the app in `app`
+    (the folder whose pyproject.toml declares it), all on 127.0.0.1.
+
+    `clients`: the run's number of clients (the SuperNodes' ``num-partitions``; with
+    `simulation`, ``num-supernodes``); `client_cpus`: the Simulation Engine's
+    ``client-resources-num-cpus``."""
+
+    def __init__(self, root: Path, app: Path, clients: int, simulation: bool = False, client_cpus: int = 1,
+                 env: dict | None = None):
+        home = Path(root) / "flwr-home"
+        super().__init__(root, {"FLWR_HOME": str(home), **(env or {})})
+        self.app, self.clients, self.simulation, self.client_cpus = Path(app), clients, simulation, client_cpus
+        self.link_port = free_port()
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+                                          f'address = "127.0.0.1:{self.link_port}"\ninsecure = true\n')
+
+    def start_link(self) -> None:
+        args = [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(self.link_port),
+                "--disable-runtime-dependency-installation"]
+        self.start("superlink", args + (["--simulation"] if self.simulation else []), self.link_port)
+
+    def start_node(self, k: int) -> None:
+        """The SuperNode of client k (partition-id k), its state in `state_dir(k)`."""
+        port = free_port()
+        config = f'partition-id={k} num-partitions={self.clients} state-dir="{self.state_dir(k)}"'
+        self.start(f"node{k}", [str(BIN / "flower-supernode"), "--insecure", "--superlink",
+                                f"127.0.0.1:{self.link_port}", "--port", str(port), "--node-config", config], port)
+
+    def state_dir(self, k: int) -> Path:
+        return self.root / f"node{k}-state"
+
+    def kill_node(self, k: int, crash: bool = True) -> None:
+        """crash: SIGKILL to the SuperNode and everything it started (the SuperLink notices when
+        its heartbeats stop); else SIGTERM to the SuperNode, which deregisters and stops."""
+        self.track()
+        node = self.procs.pop(f"node{k}")
+        family = [psutil.Process(node.pid)]
+        family += family[0].children(recursive=True) if crash else []
+        for p in family:
+            try:
+                p.send_signal(signal.SIGKILL if crash else signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        node.wait(timeout=60)
+
+    def flwr_run(self, run_config: dict, name: str) -> subprocess.Popen:
+        """`flwr run` of the app (in the background; `finish(name)` waits for it: it streams the
+        ServerApp's log until the run ends)."""
+        items = []
+        for key, value in run_config.items():
+            if isinstance(value, bool):
+                items.append(f"{key}={str(value).lower()}")
+            elif isinstance(value, str):
+                items.append(f"{key}='{value}'")  # a TOML literal string: JSON inside is fine
+            else:
+                items.append(f"{key}={value}")
+        args = [str(BIN / "flwr"), "run", str(self.app), CONNECTION, "--run-config", " ".join(items), "--stream"]
+        if self.simulation:
+            args += ["--federation-config",
+                     f"num-supernodes={self.clients} client-resources-num-cpus={self.client_cpus}"]
+        return self.start(name, args)
