@@ -56,6 +56,7 @@ class FedAdamArgs(FedOptArgs):
 class FedOpt(Method):
     """FedAvg's clients with an adaptive server optimiser; subclasses define `update_v`."""
 
+    family = "Optimizer-based"
     Args = FedOptArgs
 
     def init_server_state(self, global_params: Params) -> State:
@@ -82,6 +83,7 @@ class FedOpt(Method):
 
 class FedAdam(FedOpt):
     name = "fedadam"
+    label = "FedAdam"
     Args = FedAdamArgs
 
     def update_v(self, v, delta_sq):
@@ -90,6 +92,7 @@ class FedAdam(FedOpt):
 
 class FedYogi(FedOpt):
     name = "fedyogi"
+    label = "FedYogi"
     Args = FedAdamArgs  # same hyperparameters as FedAdam, only the v update differs
 
     def update_v(self, v, delta_sq):
@@ -99,6 +102,7 @@ class FedYogi(FedOpt):
 
 class FedAdagrad(FedOpt):
     name = "fedadagrad"
+    label = "FedAdagrad"
     Args = FedOptArgs
 
     def update_v(self, v, delta_sq):

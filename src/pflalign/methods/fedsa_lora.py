@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..params import is_lora_b
 from .base import Message, Method, Params, RoundContext, State, clone, weighted_average
-from .ffa_lora import is_lora_b
 
 GLOBAL_B_RULES = ("mean", "init")
 
@@ -56,6 +56,8 @@ class FedSALoRAArgs:
 
 class FedSALoRA(Method):
     name = "fedsa-lora"
+    label = "FedSA-LoRA"
+    family = "LoRA-modulation"
     Args = FedSALoRAArgs
     weight_groups = ("shared", "eval_B")
 
