@@ -156,7 +156,7 @@ def test_in_process_with_round_eval_and_sampling_is_pinned(tmp_path):
 
 def test_flower_simulation_is_pinned(tmp_path):
     pytest.importorskip("flwr")
-    from pflalign.flower.local import Cluster
+    from pflalign.flower.cluster import Cluster
 
     repo = Path(__file__).resolve().parents[1]
     cluster = Cluster(tmp_path, repo, clients=2, simulation=True,
