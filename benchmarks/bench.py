@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from pflalign import allocator
-from pflalign.checkpoint import MetricsLog
+from pflalign.lifecycle import Recorder
 from pflalign.config import build_config
 from pflalign.data.load import load_federation
 from pflalign.engine import Federation
@@ -209,17 +209,18 @@ def _round(cfg_overrides: dict) -> dict:
     fed.lm.loss_and_grads = timed
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        metrics = MetricsLog(Path(tmp) / "m.jsonl")
-        fed.train(Path(tmp), 0, metrics, stop_after=1)  # warm-up round (first calls are slow)
+        rec = Recorder(Path(tmp), resume=False, overwrite=False)
+        rec.open(cfg)
+        fed.train(rec, 0, 1)  # warm-up round (first calls are slow)
         before = matmul_peak(device=fed.lm.device.type, dtype=fed.lm.model.get_base_model().dtype)
         for r in range(1, cfg.rounds):
             inner.update(seconds=0.0, tokens=0)
             tic = time.perf_counter()
-            fed.train(Path(tmp), r, metrics, stop_after=1)
+            fed.train(rec, r, r + 1)
             rounds.append({"seconds": time.perf_counter() - tic, "forward_backward_seconds": inner["seconds"],
                            "tokens": inner["tokens"]})
         after = matmul_peak(device=fed.lm.device.type, dtype=fed.lm.model.get_base_model().dtype)
-        metrics.close()
+        rec.close()
         checkpoint_mb = (Path(tmp) / "checkpoint.pt").stat().st_size / 1e6
     total = sum(r["seconds"] for r in rounds)
     inside = sum(r["forward_backward_seconds"] for r in rounds)

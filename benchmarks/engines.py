@@ -85,10 +85,10 @@ import torch
 from flwr.app import RecordDict
 
 from pflalign import checkpoint as ckpt
-from pflalign.config import build_config, method_args, parse_set, to_dict
+from pflalign.config import build_config, make_method, parse_set, to_dict
 from pflalign.flower import wire
-from pflalign.flower.local import Cluster, Processes
-from pflalign.methods import method_class
+from pflalign.flower.cluster import Cluster, Processes
+from pflalign.partition import client_names
 
 REPO = Path(__file__).resolve().parents[1]  # the Flower app's project folder
 ENGINES = ("inprocess", "simulation", "deployment")
@@ -166,7 +166,7 @@ def round_lines(out: Path) -> list[dict]:
 def inprocess_payload(out: Path) -> list[tuple[int, int]]:
     """(bytes to, bytes from the clients) per round of an in-process run: see the module docstring."""
     cfg = build_config(None, json.loads((out / ckpt.CONFIG).read_text()))
-    method = method_class(cfg.method)(method_args(cfg))
+    method = make_method(cfg)
     saved = ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
     w = saved["global"]
     broadcast = method.broadcast(w, copy.deepcopy(saved["server_state"]))
@@ -251,7 +251,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _sigterm)  # stop our processes on SIGTERM too (the finally blocks)
 
     config = resolve(Path(args.data_dir), args.set)
-    clients = len(wire.client_tasks(build_config(None, config)))
+    clients = len(client_names(build_config(None, config)))
     report = {
         "command": sys.argv,
         "config": config,

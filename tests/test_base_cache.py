@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pflalign import checkpoint as ckpt
-from pflalign import engine
+from pflalign import client, engine
 from pflalign.config import build_config
 
 TINY = {
@@ -20,13 +20,13 @@ TINY = {
 def counted(monkeypatch, tmp_path):
     monkeypatch.setenv("PFLALIGN_CACHE", str(tmp_path / "cache"))
     calls = []
-    real = engine.generate
+    real = client.generate
 
     def counting(*args, **kwargs):
         calls.append(kwargs.get("desc"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "generate", counting)
+    monkeypatch.setattr(client, "generate", counting)
     return calls
 
 

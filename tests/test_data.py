@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pflalign.data import ClientData, Example
+from pflalign.data import TaskData, Example
 from pflalign.data.dolly import DOLLY_CATEGORIES, load_dolly
 from pflalign.data.flan import FLAN_CATEGORIES, load_flan
 from pflalign.data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES, load_federation
@@ -90,11 +90,11 @@ def dolly_file(shared_data: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def dolly_paper(dolly_file: Path) -> list[ClientData]:
+def dolly_paper(dolly_file: Path) -> list[TaskData]:
     return load_dolly(str(dolly_file), DOLLY_PAPER_CATEGORIES)
 
 
-def test_dolly_paper_split_sizes(dolly_paper: list[ClientData]) -> None:
+def test_dolly_paper_split_sizes(dolly_paper: list[TaskData]) -> None:
     assert [client.task for client in dolly_paper] == DOLLY_PAPER_CATEGORIES
     sizes = {client.task: (len(client.train), len(client.test)) for client in dolly_paper}
     assert sizes == {
@@ -103,7 +103,7 @@ def test_dolly_paper_split_sizes(dolly_paper: list[ClientData]) -> None:
 
 
 def test_dolly_splits_are_disjoint_and_cover_the_category(
-    dolly_paper: list[ClientData], dolly_file: Path
+    dolly_paper: list[TaskData], dolly_file: Path
 ) -> None:
     for client in dolly_paper:
         expected = expected_dolly_examples(dolly_file, client.task)
@@ -115,7 +115,7 @@ def test_dolly_splits_are_disjoint_and_cover_the_category(
 
 
 def test_dolly_same_seed_same_split_other_seed_other_split(
-    dolly_paper: list[ClientData], dolly_file: Path
+    dolly_paper: list[TaskData], dolly_file: Path
 ) -> None:
     again = load_dolly(str(dolly_file), DOLLY_PAPER_CATEGORIES, split_seed=42)
     assert again == dolly_paper
@@ -126,7 +126,7 @@ def test_dolly_same_seed_same_split_other_seed_other_split(
 
 
 def test_dolly_category_split_does_not_depend_on_other_categories(
-    dolly_paper: list[ClientData], dolly_file: Path
+    dolly_paper: list[TaskData], dolly_file: Path
 ) -> None:
     (alone,) = load_dolly(str(dolly_file.parent), ["summarization"])  # a directory works too
     assert alone == dolly_paper[3]
@@ -135,7 +135,7 @@ def test_dolly_category_split_does_not_depend_on_other_categories(
 
 
 def test_dolly_prompts_carry_context_only_when_present(
-    dolly_paper: list[ClientData], dolly_file: Path
+    dolly_paper: list[TaskData], dolly_file: Path
 ) -> None:
     records = [json.loads(line) for line in dolly_file.read_text(encoding="utf-8").splitlines()]
     for client in dolly_paper:
@@ -168,7 +168,7 @@ def test_dolly_prompt_format(tmp_path: Path) -> None:
 
 
 def test_dolly_max_train_max_test_keep_the_first_n(
-    dolly_paper: list[ClientData], dolly_file: Path
+    dolly_paper: list[TaskData], dolly_file: Path
 ) -> None:
     small = load_dolly(str(dolly_file), DOLLY_PAPER_CATEGORIES, max_train=5, max_test=3)
     for full, cut in zip(dolly_paper, small, strict=True):
@@ -344,8 +344,8 @@ def test_flan_file_to_category_map_is_read_not_assumed(tmp_path: Path) -> None:
         [flan_record("C2", "her", "coreference"), flan_record("P2", "no", "paraphrase")],
     )
     para, coref = load_flan(str(root), ["paraphrase", "coreference"])
-    assert para == ClientData("paraphrase", [Example("P1", "yes")], [Example("P2", "no")])
-    assert coref == ClientData("coreference", [Example("C1", "him")], [Example("C2", "her")])
+    assert para == TaskData("paraphrase", [Example("P1", "yes")], [Example("P2", "no")])
+    assert coref == TaskData("coreference", [Example("C1", "him")], [Example("C2", "her")])
 
 
 # --- FLAN errors --------------------------------------------------------------------------
@@ -436,7 +436,7 @@ def test_synthetic_is_deterministic_with_four_distinct_tasks() -> None:
     }
 
 
-def check_synthetic_answers(clients: list[ClientData]) -> None:
+def check_synthetic_answers(clients: list[TaskData]) -> None:
     """Every synthetic answer is right, short, and no prompt is in both train and test."""
     for client in clients:
         assert not {e.prompt for e in client.train} & {e.prompt for e in client.test}
@@ -640,24 +640,30 @@ def test_flan_garbage_is_a_user_error_or_loads(training: bytes, test_lines: list
 
 
 # ---- a validation split carved from the training data (hyperparameter tuning) ----
+def _shares(data: dict):
+    from pflalign.config import build_config
+    from pflalign.partition import client_shares
+
+    return client_shares(build_config(None, {"data": data}))
+
+
 def test_validation_is_held_out_of_training_and_never_touches_test(flan_dir: Path) -> None:
-    full = load_federation("flan", str(flan_dir), None, 42, None, None)
-    held = load_federation("flan", str(flan_dir), None, 42, None, None, validation=50)
+    full = _shares({"name": "flan", "dir": str(flan_dir)})
+    held = _shares({"name": "flan", "dir": str(flan_dir), "validation": 50})
     for whole, part in zip(full, held):
-        assert part.task == whole.task and len(part.test) == 50 and len(part.train) == 250
+        assert part.name == whole.name and len(part.test) == 50 and len(part.train) == 250
         # disjoint, and together exactly the training data, each part in file order
         assert sorted(map(repr, part.train + part.test)) == sorted(map(repr, whole.train))
         assert not set(part.train) & set(part.test)
         order = {e: i for i, e in enumerate(whole.train)}
         assert [order[e] for e in part.train] == sorted(order[e] for e in part.train)
         assert not set(part.test) & set(whole.test)  # no test example is looked at
-    again = load_federation("flan", str(flan_dir), None, 42, None, None, validation=50)
-    other = load_federation("flan", str(flan_dir), None, 7, None, None, validation=50)
+    again = _shares({"name": "flan", "dir": str(flan_dir), "validation": 50})
+    other = _shares({"name": "flan", "dir": str(flan_dir), "validation": 50, "split_seed": 7})
     assert [c.test for c in again] == [c.test for c in held]  # split_seed fixes it, whatever the run seed
     assert [c.test for c in other] != [c.test for c in held]
 
 
 def test_validation_size_must_leave_training_data() -> None:
-    for n in (64, 0):
-        with pytest.raises(UserError, match=r"data.validation=.* client 'arithmetic' has 64 training"):
-            load_federation("synthetic", None, ["arithmetic"], 42, None, None, validation=n)
+    with pytest.raises(UserError, match=r"data.validation=64 .* client 'arithmetic' has 64 training"):
+        _shares({"name": "synthetic", "clients": ["arithmetic"], "validation": 64})

@@ -7,7 +7,8 @@ import torch
 
 from pflalign import checkpoint as ckpt
 from pflalign.config import build_config
-from pflalign.engine import Federation, run, sample_clients
+from pflalign.engine import Federation, run
+from pflalign.lifecycle import Recorder, sample_clients
 from pflalign.errors import UserError
 
 TINY = {
@@ -96,8 +97,10 @@ def test_fedavg_weights_by_client_data_size(tmp_path, monkeypatch):
         return original(global_params, messages, weights, server_state, ctx)
 
     monkeypatch.setattr(fed.method, "aggregate", spy)
-    metrics = ckpt.MetricsLog(tmp_path / "m.jsonl")
-    fed.train(tmp_path, 0, metrics, None)
+    rec = Recorder(tmp_path, resume=False, overwrite=False)
+    rec.open(cfg)
+    fed.train(rec, 0, cfg.rounds)
+    rec.close()
     assert seen["weights"] == pytest.approx([0.25, 0.75])
     m0, m1 = (m["params"] for m in seen["messages"])
     for n, t in fed.global_params.items():

@@ -22,7 +22,7 @@ import torch
 from pflalign import checkpoint as ckpt
 from pflalign.config import build_config
 from pflalign.engine import run as run_in_process
-from pflalign.flower.local import Cluster
+from pflalign.flower.cluster import Cluster
 
 from test_engine import TINY  # the same tiny federation as the in-process engine's tests
 
@@ -75,6 +75,7 @@ def test_run_config_maps_to_pflalign_run_keys():
     import tomllib
 
     from pflalign.flower import wire
+    from pflalign.partition import client_names
 
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert declared == wire.RUN_DEFAULTS
@@ -83,8 +84,8 @@ def test_run_config_maps_to_pflalign_run_keys():
     assert wire.parse_overrides('{"lora": {"r": 2}, "rounds": 3}') == {"lora": {"r": 2}, "rounds": 3}
     assert wire.parse_overrides("data.dir='/a b/c'") == {"data": {"dir": "/a b/c"}}
     assert wire.config_from_json(wire.config_json(cfg)) == cfg
-    assert wire.client_tasks(cfg) == ["arithmetic", "sorting"]
-    assert wire.client_tasks(build_config(None, {"data": {"name": "flan"}})) == \
+    assert client_names(cfg) == ["arithmetic", "sorting"]
+    assert client_names(build_config(None, {"data": {"name": "flan"}})) == \
         ["coreference", "entailment", "paraphrase", "structure_to_text"]
 
 

@@ -1,10 +1,13 @@
-"""One client's round: start as the method says, T local steps, send a message.
+"""The client side, once for both engines: a `Client` (its name, its data, its
+state), its round (`train_client`: the round's minibatches, then
+`local_round`: start as the method says, T local steps, send a message) and
+its scores (`score_client`).
 
-This is the single implementation of the client side, used by the in-process
-engine (and by any other runtime that drives clients), so a method's client
-rule runs the same way everywhere. It also measures, at no extra forward or
-backward pass, what the paper's analyses need: the gradient signal-to-noise
-ratio (GSNR) of the round's minibatch gradients and the size of the update.
+The in-process engine and the Flower ClientApp both call these, so a
+method's client rule runs the same way everywhere. A round also measures, at
+no extra forward or backward pass, what the paper's analyses need: the
+gradient signal-to-noise ratio (GSNR) of the round's minibatch gradients and
+the size of the update.
 """
 
 from __future__ import annotations
@@ -15,8 +18,13 @@ from typing import Callable, Iterable
 
 import torch
 
-from .errors import TrainingDiverged
+from .base_cache import base_generations
+from .config import RunConfig
+from .errors import TrainingDiverged, UserError
+from .evaluate import generate, rouge_l
 from .methods.base import Message, Method, Params, State, StepContext, zeros_like
+from .partition import ClientShare
+from .prompts import Encoded, batch_indices, collate_train, encode_prompt, encode_train
 
 
 class GradientStats:
@@ -30,9 +38,8 @@ class GradientStats:
     Both are None with fewer than two steps (no variance).
 
     Tensor by tensor on purpose: a LoRA tensor stays in cache through the few
-    operations of an update. For SmolLM2's 420 LoRA tensors, 5 updates and a
-    summary took 125 ms this way and 500 ms on one concatenated vector, where
-    every operation streams all coordinates through memory. The summary syncs
+    operations of an update (faster than one concatenated vector, where every
+    operation streams all coordinates through memory). The summary syncs
     once, not per tensor.
     """
 
@@ -132,7 +139,8 @@ def local_round(
         first_call = [True]
 
         def grad_fn(batch=batch, first_call=first_call, t=t):
-            loss, grads = lm.loss_and_grads(batch)
+            with torch.enable_grad():  # once here, for every method's `local_step` (which runs without)
+                loss, grads = lm.loss_and_grads(batch)
             if not math.isfinite(loss):
                 raise _diverged("the loss", round_index, t, lr)
             if bad := _non_finite(grads):
@@ -164,3 +172,72 @@ def local_round(
         personalized = sent
     gsnr_mean, gsnr_ratio = stats.summary()
     return ClientRound(message, personalized, losses, gsnr_mean, gsnr_ratio, update_norm, model_norm)
+
+
+# ---- a client, its round and its scores ------------------------------------------
+@dataclass
+class Client:
+    """A client as an engine sees it: its name and data, and its persistent state."""
+
+    id: int
+    data: ClientShare  # its name and its examples (from the partition step)
+    train: list[Encoded]
+    state: State  # the method's per-client state (kept across rounds)
+    personalized: Params | None = None  # its personalized adapter after its last round
+    steps_taken: int = 0  # minibatches consumed: the data sampler's whole state
+
+    @property
+    def name(self) -> str:
+        return self.data.name
+
+    @property
+    def n_train(self) -> int:
+        return len(self.data.train)
+
+
+def make_client(k: int, data: ClientShare, tokenizer, cfg: RunConfig, state: State) -> Client:
+    """Client k with its training examples tokenized (checked against batch_size)."""
+    if len(data.train) < cfg.batch_size:
+        raise UserError(
+            f"client {k} ({data.name}) has {len(data.train)} training examples, fewer than batch_size={cfg.batch_size}"
+        )
+    return Client(k, data, [encode_train(tokenizer, ex, cfg.max_seq_len) for ex in data.train], state)
+
+
+def draw_batches(client: Client, cfg: RunConfig, pad_id: int) -> list[dict]:
+    """The client's T minibatches of its next round (advances `steps_taken`): a pure
+    function of (seed, client, step), wherever the client runs."""
+    batches = []
+    for _ in range(cfg.local_steps):
+        idx = batch_indices(client.n_train, cfg.batch_size, client.steps_taken, cfg.seed * 1009 + client.id)
+        batches.append(collate_train([client.train[i] for i in idx], pad_id))
+        client.steps_taken += 1
+    return batches
+
+
+def train_client(lm, method: Method, client: Client, global_params: Params, received: Message, cfg: RunConfig,
+                 round_index: int, on_step: Callable[[int, float], None] | None = None) -> ClientRound:
+    """Client's round `round_index`: its next T minibatches, `local_round`; keeps its personalized adapter."""
+    batches = draw_batches(client, cfg, lm.tokenizer.pad_token_id)
+    result = local_round(lm, method, client.state, global_params, received, batches, cfg.lr, round_index, on_step)
+    client.personalized = result.personalized
+    return result
+
+
+def score_client(lm, test: list, adapter: Params | None, cfg: RunConfig, desc: str,
+                 progress: bool) -> tuple[float, list[str]]:
+    """ROUGE-L and generations on `test` with `adapter` (None: the base model, adapter switched off)."""
+    prompts = [encode_prompt(lm.tokenizer, ex, cfg.max_seq_len)[0] for ex in test]
+    if adapter is not None:
+        lm.set_lora(adapter)
+
+    def run_generation():
+        with lm.model.disable_adapter() if adapter is None else lm.merged():
+            return generate(lm.model, lm.tokenizer, prompts, cfg.eval.max_new_tokens, cfg.eval.batch_size,
+                            desc=desc, progress=progress)
+
+    if adapter is None:  # the base model's outputs are the same in every run of this split: cached
+        preds = base_generations(lm, prompts, cfg.eval.max_new_tokens, cfg.eval.batch_size, run_generation)
+    else:
+        preds = run_generation()
+    return rouge_l(preds, [ex.response for ex in test]), preds

@@ -18,7 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UserError
-from .model import LoraSettings
+
+
+@dataclass
+class LoraSettings:
+    """LoRA hyperparameters. Paper: r=16, alpha=32; it does not name the target
+    modules, so we adapt every linear projection of attention and MLP
+    (PEFT's ``all-linear``: q/k/v/o + gate/up/down on Llama, q/k/v/out + fc1/fc2 on OPT)."""
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
 
 
 @dataclass
@@ -239,6 +250,13 @@ def method_args(cfg: RunConfig):
         return cls.Args(**values)
     except ValueError as exc:
         raise UserError(f"method {cfg.method}: {exc}") from exc
+
+
+def make_method(cfg: RunConfig):
+    """The run's method, with its checked arguments: the one constructor every engine uses."""
+    from .methods import method_class
+
+    return method_class(cfg.method)(method_args(cfg))
 
 
 def to_dict(cfg: RunConfig) -> dict:

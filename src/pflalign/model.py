@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import use_segment_attention
+from .config import LoraSettings  # noqa: F401  (its former home; `FederatedLM.build` takes one)
 from .lora_mlp import use_fused_lora_mlp
 from .rms_norm import use_fused_rms_norm
 from .errors import UserError
@@ -58,16 +59,19 @@ EMBEDDED_MODELS = {
 TINY_MODELS = ("tiny-llama", "tiny-opt")
 
 
-@dataclass
-class LoraSettings:
-    """LoRA hyperparameters. Paper: r=16, alpha=32; it does not name the target
-    modules, so we adapt every linear projection of attention and MLP
-    (PEFT's ``all-linear``: q/k/v/o + gate/up/down on Llama, q/k/v/out + fc1/fc2 on OPT)."""
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} requested but no CUDA device is available")
+    return name
 
-    r: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+
+def build_model(cfg, device: str | None = None) -> "FederatedLM":
+    """The run's model with its seeded LoRA adapter w^0 (on `device`; None: the config's):
+    the one constructor every engine uses."""
+    return FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=getattr(torch, cfg.dtype),
+                             device=resolve_device(cfg.device) if device is None else device)
 
 
 def cache_dir() -> Path:
@@ -310,10 +314,9 @@ class FederatedLM:
         GPU the padded batch runs in one call, which keeps the device busy.
 
         The returned gradients are the adapter's ``.grad`` buffers, allocated
-        once and overwritten by the next call (clone what must outlive it).
-        Allocating them anew in each backward, between the activations of the
-        first row, left glibc's heap in pieces that a longer row's tensors
-        did not fit, which raised the peak memory of Dolly steps.
+        once and overwritten by the next call (clone what must outlive it):
+        allocated anew in each backward, between the first row's activations,
+        they would break the heap into pieces that a longer row cannot reuse.
         """
         for p in self.lora.values():
             if p.grad is None:

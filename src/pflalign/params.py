@@ -1,4 +1,5 @@
-"""Adapter-sized dicts of tensors (`Params`: LoRA tensors by name) and their copies.
+"""Adapter-sized dicts of tensors (`Params`: LoRA tensors by name), their copies,
+and the names of a LoRA pair's tensors.
 
 Below both the model and the methods: `FederatedLM.get_lora` and every
 method's state use the same allocation (one flat buffer per copy, see
@@ -47,3 +48,18 @@ def zeros_like(params: Params, dtype: torch.dtype | None = None) -> Params:
     for t in out.values():
         t.zero_()
     return out
+
+
+# ---- a LoRA pair (A_l, B_l) by its tensors' names ----------------------------------
+def is_lora_a(name: str) -> bool:
+    """PEFT names A as `...lora_A.<adapter>.weight` (B likewise with lora_B)."""
+    return "lora_A" in name
+
+
+def is_lora_b(name: str) -> bool:
+    return "lora_B" in name
+
+
+def lora_b_name(a_name: str) -> str:
+    """The B of the pair that A belongs to."""
+    return a_name.replace("lora_A", "lora_B")

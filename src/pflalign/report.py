@@ -23,48 +23,7 @@ from pathlib import Path
 
 from . import checkpoint as ckpt
 from .errors import UserError
-from .methods import LORA_MODULATION, OPTIMIZER_BASED, PFLALIGN
-
-# Row groups of the table, in the paper's order; methods of no family come last.
-FAMILIES = [
-    ("LoRA-modulation", [c.name for c in LORA_MODULATION]),
-    ("Optimizer-based", [c.name for c in OPTIMIZER_BASED]),
-    ("pFLAlign", [c.name for c in PFLALIGN]),
-]
-LABELS = {
-    "ffa-lora": "FFA-LoRA", "fedsa-lora": "FedSA-LoRA", "fedsvd": "FedSVD", "fedavg": "FedAvg",
-    "fedprox": "FedProx", "fedsam": "FedSAM", "scaffold": "SCAFFOLD", "feddyn": "FedDyn",
-    "fedadam": "FedAdam", "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad", "fedgloss": "FedGloSS",
-    "local": "Local", "pflalign": "pFLAlign",
-}
-DEFAULT_CLIENT = "structure_to_text"  # the client of the paper's GSNR figure (FLAN)
-
-
-def base_method(method: str) -> str:
-    """The method of a sweep's grid point ("fedprox@mu=0.01" → "fedprox")."""
-    return method.split("@", 1)[0]
-
-
-def label(method: str) -> str:
-    """The paper's spelling of a method name (the registry name when it has none); a grid
-    point's arguments follow in parentheses."""
-    base, _, args = method.partition("@")
-    return LABELS.get(base, base) + (f" ({args})" if args else "")
-
-
-def family(method: str) -> str:
-    for name, members in FAMILIES:
-        if base_method(method) in members:
-            return name
-    return "Other"
-
-
-def method_order(methods) -> list[str]:
-    """Families in the paper's order, registry order inside a family (a method's grid points
-    sorted after it), unknown names last (sorted)."""
-    known = [m for _, members in FAMILIES for m in members]
-    return sorted(set(methods), key=lambda m: (known.index(base_method(m)), m) if base_method(m) in known
-                  else (len(known), m))
+from .methods import FAMILIES, family, label, method_order  # noqa: F401  (FAMILIES: the table's row groups)
 
 
 # ---- statistics -------------------------------------------------------------
@@ -373,7 +332,7 @@ def dynamics_markdown(runs: list[Run]) -> str:
 # ---- the report -------------------------------------------------------------
 def write_report(root: Path | str, out: Path | str, client: str | None = None) -> Path:
     """Tables and figures for every dataset under `root` into `out`; returns report.md."""
-    from .figures import write_figures
+    from .figures import write_figures  # figures read the rows this module computes
 
     root, out = Path(root), Path(out)
     if not root.is_dir():

@@ -1,7 +1,7 @@
-"""Federated instruction data: one `ClientData` per client, one task each.
-
-Loaders return plain text examples; turning them into token ids (chat
-template, loss mask, truncation) is `pflalign.data.tokenize`'s job.
+"""Instruction data: the loaders return plain text examples by task (category),
+one `TaskData` each. Which client holds which examples is the partition
+step's job (`pflalign.partition`); turning examples into token ids (chat
+template, loss mask, truncation) is `pflalign.prompts`'s.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ class Example:
 
 
 @dataclass
-class ClientData:
-    """The private data of one client: its task name and its train/test examples."""
+class TaskData:
+    """The examples of one task (category): its name and its train/test split."""
 
     task: str
     train: list[Example]
     test: list[Example]
+

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pflalign.data import ClientData, Example
+from pflalign.data import TaskData, Example
 from pflalign.errors import UserError
 
 DOLLY_HUB_ID = "databricks/databricks-dolly-15k"
@@ -42,8 +42,8 @@ def load_dolly(
     split_seed: int = 42,
     max_train: int | None = None,
     max_test: int | None = None,
-) -> list[ClientData]:
-    """Load Dolly and return one `ClientData` per requested category, in order.
+) -> list[TaskData]:
+    """Load Dolly and return one `TaskData` per requested category, in order.
 
     `source` is a `.jsonl` file, a directory holding `databricks-dolly-15k.jsonl`,
     or the hub id `databricks/databricks-dolly-15k`. Each category's records are
@@ -74,7 +74,7 @@ def load_dolly(
                 raise unknown_category_error("Dolly", category, valid)
             raise UserError(f"Dolly category {category!r} has no examples in {source}")
         train, test = split_examples(by_category[category], split_seed, category)
-        clients.append(ClientData(task=category, train=train[:max_train], test=test[:max_test]))
+        clients.append(TaskData(task=category, train=train[:max_train], test=test[:max_test]))
     return clients
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pflalign.data import ClientData, Example
+from pflalign.data import TaskData, Example
 from pflalign.data.dolly import (
     check_limit,
     check_unique,
@@ -45,8 +45,8 @@ def load_flan(
     categories: list[str],
     max_train: int | None = None,
     max_test: int | None = None,
-) -> list[ClientData]:
-    """Load the FedDPA FLAN files in `directory`; one `ClientData` per category, in order.
+) -> list[TaskData]:
+    """Load the FedDPA FLAN files in `directory`; one `TaskData` per category, in order.
 
     A client's training examples are the records of that category in the
     `local_training_K.json` files (K ascending, file order), its test examples
@@ -77,7 +77,7 @@ def load_flan(
         if category not in test:
             raise UserError(f"FLAN category {category!r} has no test examples in {test_path}")
         clients.append(
-            ClientData(
+            TaskData(
                 task=category,
                 train=train[category][:max_train],
                 test=test[category][:max_test],

@@ -1,16 +1,16 @@
 """One entry point for every federation: `load_federation(name, ...)`.
 
-The CLI and the experiment code call this instead of the individual loaders so
-that defaults (the paper's client categories, the synthetic sizes) and input
-checks live in one place.
+The partition step (`pflalign.partition`) calls this instead of the individual
+loaders so that defaults (the paper's categories, the synthetic sizes) and
+input checks live in one place. It returns examples by category (`TaskData`);
+which client holds what is the partition step's business.
 """
 
 from __future__ import annotations
 
 import difflib
-import random
 
-from pflalign.data import ClientData
+from pflalign.data import TaskData
 from pflalign.data.dolly import DOLLY_HUB_ID, check_unique, load_dolly, unknown_category_error
 from pflalign.data.flan import load_flan
 from pflalign.data.synthetic import SYNTHETIC_TASKS, make_synthetic
@@ -19,6 +19,9 @@ from pflalign.errors import UserError
 FEDERATIONS = ("synthetic", "dolly", "flan")
 DOLLY_PAPER_CATEGORIES = ["classification", "closed_qa", "information_extraction", "summarization"]
 FLAN_PAPER_CATEGORIES = ["coreference", "entailment", "paraphrase", "structure_to_text"]
+# the categories (one client each) of a federation when data.clients is not given
+DEFAULT_CATEGORIES = {"synthetic": list(SYNTHETIC_TASKS), "dolly": DOLLY_PAPER_CATEGORIES,
+                      "flan": FLAN_PAPER_CATEGORIES}
 SYNTHETIC_DEFAULT_TRAIN = 64
 SYNTHETIC_DEFAULT_TEST = 16
 
@@ -30,41 +33,15 @@ def load_federation(
     split_seed: int,
     max_train: int | None,
     max_test: int | None,
-    validation: int | None = None,
-) -> list[ClientData]:
-    """Load the federation `name` ("synthetic", "dolly" or "flan"), one client per category.
+) -> list[TaskData]:
+    """Load the dataset `name` ("synthetic", "dolly" or "flan"): the examples of each category.
 
-    `validation=N` holds out N of each client's training examples as the split
-    it is evaluated on, in place of its test split (see `hold_out_validation`).
-
-    `categories=None` means the paper's 4 clients (all 4 tasks for synthetic).
+    `categories=None` means the paper's 4 categories (all 4 tasks for synthetic).
     `source` is the data file or folder; Dolly falls back to the Hugging Face
     Hub, FLAN needs a folder, synthetic takes none. For synthetic, `split_seed`
     seeds the generator and `max_train`/`max_test` are the sizes (default 64/16).
     """
-    clients = _load(name, source or None, categories, split_seed, max_train, max_test)
-    if validation is None:
-        return clients
-    return [hold_out_validation(c, validation, split_seed) for c in clients]
-
-
-def hold_out_validation(client: ClientData, n: int, split_seed: int) -> ClientData:
-    """A validation split carved from the training data, for choosing hyperparameters without
-    ever looking at the test split: n training examples, drawn with an RNG seeded by
-    `f"validation:{split_seed}:{task}"` (the same for every run seed), become the examples the
-    client is evaluated on; the rest, in their original order, are its training data."""
-    if n <= 0 or n >= len(client.train):
-        raise UserError(f"data.validation={n} must be > 0 and leave training data: client {client.task!r} "
-                        f"has {len(client.train)} training examples")
-    order = list(range(len(client.train)))
-    random.Random(f"validation:{split_seed}:{client.task}").shuffle(order)
-    held = set(order[:n])
-    return ClientData(client.task, [e for i, e in enumerate(client.train) if i not in held],
-                      [client.train[i] for i in sorted(held)])
-
-
-def _load(name: str, source: str | None, categories: list[str] | None, split_seed: int,
-          max_train: int | None, max_test: int | None) -> list[ClientData]:
+    source = source or None
     if name == "synthetic":
         return _load_synthetic(source, categories, split_seed, max_train, max_test)
     if name == "dolly":
@@ -89,7 +66,7 @@ def _load_synthetic(
     seed: int,
     max_train: int | None,
     max_test: int | None,
-) -> list[ClientData]:
+) -> list[TaskData]:
     """The synthetic federation, optionally only some of its tasks (in the order given)."""
     if source is not None:
         raise UserError(

@@ -15,7 +15,7 @@ import json
 import random
 from collections.abc import Callable
 
-from pflalign.data import ClientData, Example
+from pflalign.data import TaskData, Example
 from pflalign.errors import UserError
 
 SYNTHETIC_TASKS = ("arithmetic", "sorting", "uppercase", "key_value")
@@ -52,7 +52,7 @@ _KEY_VALUE_TEMPLATES = (
 )
 
 
-def make_synthetic(n_train: int = 64, n_test: int = 16, seed: int = 0) -> list[ClientData]:
+def make_synthetic(n_train: int = 64, n_test: int = 16, seed: int = 0) -> list[TaskData]:
     """Return the 4 synthetic clients, in `SYNTHETIC_TASKS` order.
 
     Each task draws from its own RNG seeded with `f"{seed}:{task}"`, so the same
@@ -71,7 +71,7 @@ def make_synthetic(n_train: int = 64, n_test: int = 16, seed: int = 0) -> list[C
     for task in SYNTHETIC_TASKS:
         rng = random.Random(f"{seed}:{task}")
         examples = _unique_examples(_GENERATORS[task], rng, n_train + n_test)
-        clients.append(ClientData(task=task, train=examples[:n_train], test=examples[n_train:]))
+        clients.append(TaskData(task=task, train=examples[:n_train], test=examples[n_train:]))
     return clients
 
 

@@ -1,17 +1,20 @@
 """pflalign on Flower: every method on real processes and machines, with the
-same client and server code as the in-process engine.
+same client and server code as the in-process engine. This package sits
+beside `pflalign.engine`, not above it: both use `pflalign.client` (the
+client side) and `pflalign.lifecycle` (the run folder and the round loop).
 
 * `server_app.app` (a Flower ``ServerApp``) runs the rounds with
   `strategy.MethodStrategy`, a Flower strategy that wraps our `Method`: it
   broadcasts w^r (plus ``method.broadcast``), collects the clients' messages
   and calls ``method.aggregate`` with data-size weights; the server state
-  lives in it. It writes the run directory as ``pflalign run`` does.
+  lives in it. It writes the run directory with the same
+  `pflalign.lifecycle.Recorder` as ``pflalign run``.
 * `client_app.app` (a Flower ``ClientApp``) is one client: it loads its own
   partition (node config ``partition-id``), keeps its method state in a file
-  on its own host, and runs `pflalign.client.local_round`.
+  on its own host, and runs `pflalign.client.train_client`.
 * `wire` is what crosses the wire: LoRA tensors as ArrayRecords, and the
   run configuration.
-* `local` starts a SuperLink, SuperNodes and `flwr run` as processes on
+* `cluster` starts a SuperLink, SuperNodes and `flwr run` as processes on
   127.0.0.1 and stops them all again (the tests and benchmarks/engines.py).
 
 Components for ``[tool.flwr.app.components]`` (see pyproject.toml and

@@ -1,6 +1,7 @@
 """The Flower ClientApp: one federated client, on its own SuperNode.
 
 Which client a node is comes from its node config: ``partition-id`` k (the
+k-th client of the run's partition step, `pflalign.partition`: today the
 k-th category of ``data.clients``) and ``num-partitions`` (must equal the
 number of clients). Optional node-config keys: ``data-dir`` (the dataset on
 this host; replaces ``data.dir``) and ``state-dir`` (see below).
@@ -9,12 +10,12 @@ Three message types, all answered from this one module:
 
 * ``query``: which client am I (partition-id, num-partitions); nothing is loaded.
 * ``train``: one round. Builds the model and this client's data, loads its
-  state, draws the round's minibatches with `pflalign.engine.draw_batches`
-  (the same ones the in-process engine draws), runs
-  `pflalign.client.local_round` (the one client-side implementation), saves
-  the state and sends back only the method's message plus metrics.
+  state, runs `pflalign.client.train_client` (the one client-side
+  implementation, which the in-process engine runs too: the same minibatches,
+  the same steps), saves the state and sends back only the method's message
+  plus metrics.
 * ``evaluate``: ROUGE-L of its personalized model, of the global model it is
-  sent and of the base model, on its own test split (`pflalign.engine.score_client`);
+  sent and of the base model, on its own test split (`pflalign.client.score_client`);
   the generations are written next to its state, only the scores are sent.
 
 Client state: the method's per-client `State`, the personalized adapter and
@@ -43,18 +44,15 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from .. import checkpoint as ckpt
-from ..client import local_round
-from ..config import RunConfig, method_args
-from ..data.load import load_federation
-from ..engine import Client, draw_batches, make_client, resolve_device, score_client
+from ..client import Client, make_client, score_client, train_client
+from ..config import RunConfig, make_method
 from ..errors import UserError
-from ..methods import method_class
-from ..model import FederatedLM, cache_dir
+from ..model import FederatedLM, build_model, cache_dir
+from ..partition import client_names, client_shares
 from . import wire
 
 log = logging.getLogger("flwr.pflalign")
@@ -87,20 +85,18 @@ def _cached(key: str, build):
 def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]:
     """The model (with w^0 as its live adapter on first build) and client k's data."""
     k, n = partition(context)
-    tasks = wire.client_tasks(cfg)
-    if n != len(tasks) or not 0 <= k < n:
+    names = client_names(cfg)
+    if n != len(names) or not 0 <= k < n:
         raise UserError(f"node config partition-id={k} num-partitions={n} does not fit the run's "
-                        f"{len(tasks)} clients ({', '.join(tasks)})")
+                        f"{len(names)} clients ({', '.join(names)})")
     model_key = repr((cfg.model, cfg.lora, cfg.seed, cfg.dtype, cfg.device))
-    lm = _cached(model_key, lambda: FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=getattr(torch, cfg.dtype),
-                                                      device=resolve_device(cfg.device)))
+    lm = _cached(model_key, lambda: build_model(cfg))
     data_dir = context.node_config.get("data-dir") or cfg.data.dir
     data_key = repr((model_key, k, cfg.data, data_dir, cfg.batch_size, cfg.max_seq_len))
 
     def load():
-        (data,) = load_federation(cfg.data.name, data_dir, [tasks[k]], cfg.data.split_seed,
-                                  cfg.data.max_train, cfg.data.max_test, cfg.data.validation)
-        return make_client(k, data, lm.tokenizer, cfg, state={})
+        (share,) = client_shares(cfg, data_dir, which=[k])
+        return make_client(k, share, lm.tokenizer, cfg, state={})
 
     client = _cached(data_key, load)
     return lm, Client(client.id, client.data, client.train, state={})  # fresh state, shared data
@@ -126,7 +122,7 @@ def load_state(folder: Path, done: int, client: Client, method, w0) -> None:
 
 def save_state(folder: Path, n: int, client: Client) -> None:
     """Write round-<n>.pt; keep it and round-<n-1>.pt (the state the server has accepted)."""
-    ckpt.save_checkpoint(folder / f"round-{n}.pt", {"client": client.id, "task": client.data.task,
+    ckpt.save_checkpoint(folder / f"round-{n}.pt", {"client": client.id, "task": client.name,
                                                     "state": client.state, "personalized": client.personalized,
                                                     "steps_taken": client.steps_taken})
     for old in folder.glob("round-*.pt"):
@@ -138,7 +134,7 @@ def _setup(msg: Message, context: Context):
     conf = msg.content["config"]
     cfg = wire.config_from_json(str(conf["cfg"]))
     lm, client = build_client(cfg, context)
-    method = method_class(cfg.method)(method_args(cfg))
+    method = make_method(cfg)
     folder = state_folder(context, str(conf["experiment"]), client.id)
     load_state(folder, int(conf["done"]), client, method, _w0(lm, cfg))
     return cfg, conf, lm, client, method, folder
@@ -147,7 +143,7 @@ def _setup(msg: Message, context: Context):
 def _info(client: Client) -> dict:
     return {"metrics": MetricRecord({"n-train": client.n_train, "n-test": len(client.data.test),
                                      "truncated": sum(e.truncated for e in client.train)}),
-            "info": ConfigRecord({"client": client.id, "task": client.data.task})}
+            "info": ConfigRecord({"client": client.id, "task": client.name})}
 
 
 # ---- the three message handlers ---------------------------------------------------------
@@ -164,11 +160,9 @@ def train(msg: Message, context: Context) -> Message:
     global_params = wire.from_record(msg.content[wire.GLOBAL], dtype, device)
     received = wire.unpack(msg.content, wire.BROADCAST, dtype, device)
     r = int(conf["round"])
-    batches = draw_batches(client, cfg, lm.tokenizer.pad_token_id)
-    result = local_round(lm, method, client.state, global_params, received, batches, cfg.lr, r)
-    client.personalized = result.personalized
+    result = train_client(lm, method, client, global_params, received, cfg, r)
     save_state(folder, int(conf["done"]) + 1, client)
-    log.info("client %d (%s): round %d done, mean loss %.4f", client.id, client.data.task, r + 1,
+    log.info("client %d (%s): round %d done, mean loss %.4f", client.id, client.name, r + 1,
              sum(result.losses) / len(result.losses))
     reply = _info(client)
     metrics = reply["metrics"]
@@ -194,12 +188,12 @@ def evaluate(msg: Message, context: Context) -> Message:
     outputs, reply = {}, _info(client)
     jobs = [("personalized", personal), ("global", global_params)] + ([("base", None)] if conf.get("base") else [])
     for label, adapter in jobs:
-        score, outputs[label] = score_client(lm, test, adapter, cfg, f"eval {label} {client.data.task}", False)
+        score, outputs[label] = score_client(lm, test, adapter, cfg, f"eval {label} {client.name}", False)
         reply["metrics"][f"rouge-l-{label}"] = score
     reply["metrics"]["n-test"] = len(test)
     if conf.get("predictions"):
         ckpt.write_jsonl(folder / "predictions.jsonl", [
-            {"client": client.id, "task": client.data.task, "prompt": ex.prompt, "reference": ex.response,
+            {"client": client.id, "task": client.name, "prompt": ex.prompt, "reference": ex.response,
              **{label: outputs[label][j] for label in ("personalized", "global")},
              "base": outputs["base"][j] if "base" in outputs else None}
             for j, ex in enumerate(test)])

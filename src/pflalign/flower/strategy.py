@@ -2,13 +2,14 @@
 
 It holds what the in-process engine's server holds: the global adapter w^r,
 the method's server state (SCAFFOLD's c, FedDyn's h, FedOpt's moments) and,
-per client, how many rounds it has finished. It also knows which SuperNode is
-which client (their node config's ``partition-id``, asked with a ``query``
-message).
+per client, how many rounds it has finished. Which SuperNode is which client
+(their node config's ``partition-id``, asked with a ``query`` message) is its
+`Nodes`' business.
 
-* `configure_train`: the round's participants are `engine.sample_clients`
+* `configure_train`: the round's participants are `lifecycle.sample_clients`
   (the same seeded sample); each is sent w^r and ``method.broadcast(...)``.
-* `aggregate_train`: the replies in client order; ``method.aggregate`` with
+* `collect_train` (`aggregate_train` for Flower's interface): the replies in
+  client order, returned as a `TrainOutcome`; ``method.aggregate`` with
   weights |D_k| / Σ_j |D_j| over the clients that replied and a
   `RoundContext`. A client that did not reply (node gone, error, timeout) is
   logged by name and left out, as long as at least ``min-clients`` replied
@@ -16,8 +17,9 @@ message).
   fails the checks of `validate` (names, shapes, dtypes, finite values, the
   ``max-update-norm`` bound) is rejected, logged with its SuperNode id and
   left out too; clients are not trusted.
-* `configure_evaluate` / `aggregate_evaluate`: every connected client scores
-  its personalized model, the global model (and the base model).
+* `configure_evaluate` / `collect_evaluate` (`aggregate_evaluate`): every
+  connected client scores its personalized model, the global model (and the
+  base model), returned as an `EvalOutcome`.
 
 The ServerApp drives these hooks itself rather than with ``Strategy.start``,
 so that every round is checkpointed and a run can resume.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -35,9 +38,10 @@ from flwr.serverapp.strategy import Strategy
 
 from ..client import ClientRound
 from ..config import RunConfig
-from ..engine import sample_clients
 from ..errors import TrainingDiverged, UserError
+from ..lifecycle import RoundRecord, sample_clients
 from ..methods.base import Method, Params, RoundContext, data_weights
+from ..partition import client_names
 from . import validate, wire
 
 log = logging.getLogger("flwr.pflalign")
@@ -47,59 +51,52 @@ class RoundFailed(UserError):
     """Fewer clients replied to a round than the configured minimum."""
 
 
-class MethodStrategy(Strategy):
-    def __init__(self, method: Method, cfg: RunConfig, global_params: Params, experiment: str,
-                 min_clients: int = 0, query_timeout: float = 120.0, max_update_norm: float = 0.0):
-        self.method, self.cfg, self.experiment = method, cfg, experiment
-        self.global_params = global_params
-        self.server_state = method.init_server_state(global_params)
-        self.dtype = next(iter(global_params.values())).dtype
-        self.tasks = wire.client_tasks(cfg)
-        self.min_clients = min_clients
-        self.query_timeout = query_timeout
-        self.expected = validate.expected_message(method, global_params)  # what a client's update must look like
-        self.max_update_norm = max_update_norm  # 0: no bound
-        self.rounds_done: dict[int, int] = {}  # client → rounds it finished (saved in the checkpoint)
-        self.nodes: dict[int, int] = {}  # client (partition-id) → SuperNode id
-        self.strangers: set[int] = set()  # SuperNodes that did not answer the query (not asked again)
-        self._pending: list[tuple[Message, int]] = []  # sent messages and their clients, to match replies
-        self.chosen: list[int] = []  # the round's sampled clients
-        self.n_train: dict[int, int] = {}  # client → |D_k|, as the clients report it
-        self.weights: list[float] = []  # the last round's aggregation weights
-        self.bytes_down = self.bytes_up = 0  # the last round's tensor payload, to and from the clients
-        self.results: list[tuple[int, ClientRound]] = []  # the last round's replies, in client order
-        self.missing: dict[int, str] = {}  # the last round's (or evaluation's) absent clients → why
-        self.rejected: dict[int, str] = {}  # the last round's (or evaluation's) invalid replies → why
-        self.scores: dict[int, dict] = {}  # the evaluation's replies
+@dataclass
+class TrainOutcome:
+    """What a training round gave: the aggregated clients' replies and who is absent, and why."""
 
-    @property
-    def num_clients(self) -> int:
-        return len(self.tasks)
+    record: RoundRecord  # the accepted replies (client order), their weights
+    missing: dict[int, str] = field(default_factory=dict)  # sampled clients without a reply → why
+    rejected: dict[int, str] = field(default_factory=dict)  # replies that failed `validate` → why
+    bytes_down: int = 0  # the round's tensor payload to the clients
+    bytes_up: int = 0  # and from them
+
+
+@dataclass
+class EvalOutcome:
+    """What an evaluation gave: each replying client's scores, and who is absent, and why."""
+
+    scores: dict[int, dict]
+    missing: dict[int, str]
+
+
+class Nodes:
+    """Which SuperNode is which client: asks new SuperNodes (a ``query`` message), forgets gone ones."""
+
+    def __init__(self, names: list[str], query_timeout: float = 120.0):
+        self.names = names
+        self.query_timeout = query_timeout
+        self.of: dict[int, int] = {}  # client (partition-id) → SuperNode id
+        self.strangers: set[int] = set()  # SuperNodes that did not answer the query (not asked again)
 
     def name(self, k: int) -> str:
-        return f"client {k} ({self.tasks[k]})"
+        return f"client {k} ({self.names[k]})"
 
-    def summary(self) -> None:
-        log.info("pflalign %s: %d clients (%s), %d rounds x %d local steps, min-clients %s",
-                 self.cfg.method, self.num_clients, ", ".join(self.tasks), self.cfg.rounds,
-                 self.cfg.local_steps, self.min_clients or "all")
-
-    # ---- which SuperNode is which client ------------------------------------------------
     def connect(self, grid: Grid, wait_for: int, timeout: float) -> None:
         """Ask new SuperNodes which client they are, forget gone ones; wait (up to `timeout`
         seconds) until `wait_for` clients are connected."""
         deadline = time.monotonic() + timeout
         while True:
             live = set(grid.get_node_ids())
-            self.nodes = {k: n for k, n in self.nodes.items() if n in live}
-            new = sorted(live - set(self.nodes.values()) - self.strangers)
+            self.of = {k: n for k, n in self.of.items() if n in live}
+            new = sorted(live - set(self.of.values()) - self.strangers)
             if new:
                 self._identify(grid, new)
-            if len(self.nodes) >= wait_for:
+            if len(self.of) >= wait_for:
                 return
             if time.monotonic() > deadline:
-                absent = [self.name(k) for k in range(self.num_clients) if k not in self.nodes]
-                raise UserError(f"{len(self.nodes)} of {self.num_clients} clients connected after {timeout:.0f} s; "
+                absent = [self.name(k) for k in range(len(self.names)) if k not in self.of]
+                raise UserError(f"{len(self.of)} of {len(self.names)} clients connected after {timeout:.0f} s; "
                                 f"no SuperNode for {', '.join(absent)} (node config partition-id)")
             time.sleep(1.0)
 
@@ -113,23 +110,58 @@ class MethodStrategy(Strategy):
             info = reply.content["info"]
             k, n, node = int(info["partition-id"]), int(info["num-partitions"]), reply.metadata.src_node_id
             self.strangers.discard(node)
-            if n != self.num_clients or not 0 <= k < n:
+            if n != len(self.names) or not 0 <= k < n:
                 raise UserError(f"SuperNode {node} has partition-id={k} num-partitions={n}, but the run has "
-                                f"{self.num_clients} clients ({', '.join(self.tasks)})")
-            if k in self.nodes and self.nodes[k] != node:  # a restarted node, or a misconfigured one
-                log.warning("SuperNode %d replaces SuperNode %d as %s", node, self.nodes[k], self.name(k))
-            self.nodes[k] = node
+                                f"{len(self.names)} clients ({', '.join(self.names)})")
+            if k in self.of and self.of[k] != node:  # a restarted node, or a misconfigured one
+                log.warning("SuperNode %d replaces SuperNode %d as %s", node, self.of[k], self.name(k))
+            self.of[k] = node
             log.info("SuperNode %d is %s", node, self.name(k))
 
+
+class MethodStrategy(Strategy):
+    def __init__(self, method: Method, cfg: RunConfig, global_params: Params, experiment: str,
+                 min_clients: int = 0, query_timeout: float = 120.0, max_update_norm: float = 0.0):
+        self.method, self.cfg, self.experiment = method, cfg, experiment
+        self.global_params = global_params
+        self.server_state = method.init_server_state(global_params)
+        self.dtype = next(iter(global_params.values())).dtype
+        self.nodes = Nodes(client_names(cfg), query_timeout)
+        self.min_clients = min_clients
+        self.expected = validate.expected_message(method, global_params)  # what a client's update must look like
+        self.max_update_norm = max_update_norm  # 0: no bound
+        self.rounds_done: dict[int, int] = {}  # client → rounds it finished (saved in the checkpoint)
+        self.n_train: dict[int, int] = {}  # client → |D_k|, as the clients report it
+        # between a configure_* hook and its collect_*: the messages sent and their clients, and
+        # the clients not even sent one (no SuperNode) → why
+        self._pending: list[tuple[Message, int]] = []
+        self._unreached: dict[int, str] = {}
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.nodes.names)
+
+    def name(self, k: int) -> str:
+        return self.nodes.name(k)
+
+    def summary(self) -> None:
+        log.info("pflalign %s: %d clients (%s), %d rounds x %d local steps, min-clients %s",
+                 self.cfg.method, self.num_clients, ", ".join(self.nodes.names), self.cfg.rounds,
+                 self.cfg.local_steps, self.min_clients or "all")
+
+    def connect(self, grid: Grid, wait_for: int, timeout: float) -> None:
+        self.nodes.connect(grid, wait_for, timeout)
+
+    # ---- messages and their replies -------------------------------------------------
     def _messages(self, clients: Iterable[int], content_of, message_type: str, server_round: int) -> list[Message]:
-        self._pending = [(Message(content_of(k), self.nodes[k], message_type, group_id=str(server_round)), k)
+        self._pending = [(Message(content_of(k), self.nodes.of[k], message_type, group_id=str(server_round)), k)
                          for k in clients]
         return [msg for msg, _ in self._pending]
 
     def _match(self, replies: Iterable[Message]) -> tuple[dict[int, Message], dict[int, str]]:
-        """Replies by client, and the clients without a good reply → why."""
+        """Replies by client, and the clients without a good reply → why (with the unreached ones)."""
         by_id = {msg.metadata.message_id: k for msg, k in self._pending}
-        got, missing = {}, {}
+        got, missing = {}, dict(self._unreached)
         for reply in replies:
             k = by_id.get(reply.metadata.reply_to_message_id)
             if k is None:
@@ -156,54 +188,59 @@ class MethodStrategy(Strategy):
         r = server_round - 1
         self.connect(grid, wait_for=0, timeout=0)  # pick up restarted SuperNodes
         chosen = sample_clients(self.num_clients, self.cfg.participation, self.cfg.seed, r)
-        self.chosen = chosen
-        self.missing = {k: "its SuperNode is not connected" for k in chosen if k not in self.nodes}
+        self._unreached = {k: "its SuperNode is not connected" for k in chosen if k not in self.nodes.of}
         broadcast = wire.pack(wire.BROADCAST, self.method.broadcast(self.global_params, self.server_state))
-        messages = self._messages(
-            [k for k in chosen if k in self.nodes],
+        return self._messages(
+            [k for k in chosen if k in self.nodes.of],
             lambda k: RecordDict({wire.GLOBAL: arrays, **broadcast, "config": self._config(k, round=r)}),
             MessageType.TRAIN, server_round)
-        self.bytes_down = sum(wire.payload_bytes(msg.content) for msg in messages)
-        return messages
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord, MetricRecord]:
+    def collect_train(self, server_round: int, replies: Iterable[Message]) -> TrainOutcome:
+        """Round `server_round`'s replies, checked and aggregated into w^{r+1} (`global_params`)."""
         r = server_round - 1
+        sampled = len(self._pending) + len(self._unreached)
+        bytes_down = sum(wire.payload_bytes(msg.content) for msg, _ in self._pending)
         got, missing = self._match(replies)
-        self.missing.update(missing)
-        self.bytes_up = sum(wire.payload_bytes(reply.content) for reply in got.values())
-        for k in sorted(self.missing):
-            log.warning("round %d: %s is missing: %s", server_round, self.name(k), self.missing[k])
-        need = len(self.chosen) if self.min_clients <= 0 else min(self.min_clients, len(self.chosen))
+        bytes_up = sum(wire.payload_bytes(reply.content) for reply in got.values())
+        for k in sorted(missing):
+            log.warning("round %d: %s is missing: %s", server_round, self.name(k), missing[k])
+        need = sampled if self.min_clients <= 0 else min(self.min_clients, sampled)
         if len(got) < need:
             raise RoundFailed(
-                f"round {server_round}: {len(got)} of {len(self.chosen)} clients replied, fewer than "
+                f"round {server_round}: {len(got)} of {sampled} clients replied, fewer than "
                 f"min-clients={self.min_clients or 'all'}; missing: "
-                + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(self.missing.items())))
-        self.results, self.rejected = [], {}
+                + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(missing.items())))
+        results, rejected = [], {}
         for k in sorted(got):
             try:
                 message, m = self._accept(got[k].content)
             except validate.InvalidUpdate as exc:  # untrusted input: left out, the round goes on
-                self.rejected[k] = str(exc)
+                rejected[k] = str(exc)
                 log.warning("round %d: rejected the update of %s from SuperNode %d: %s", server_round,
                             self.name(k), got[k].metadata.src_node_id, exc)
                 continue
-            self.results.append((k, ClientRound(
+            results.append((k, ClientRound(
                 message=message, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr-mean"),
                 gsnr_ratio=m.get("gsnr-ratio"), update_norm=m["update-norm"], model_norm=m["model-norm"])))
             self.n_train[k] = m["n-train"]
-        if not self.results:
+        if not results:
             raise RoundFailed(f"round {server_round}: no valid update to aggregate; rejected: "
-                              + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(self.rejected.items())))
-        ids = [k for k, _ in self.results]
-        self.weights = data_weights([self.n_train[k] for k in ids])
+                              + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(rejected.items())))
+        ids = [k for k, _ in results]
+        weights = data_weights([self.n_train[k] for k in ids])
         self.global_params = self.method.aggregate(
-            self.global_params, [res.message for _, res in self.results], self.weights, self.server_state,
+            self.global_params, [res.message for _, res in results], weights, self.server_state,
             RoundContext(r, self.num_clients, ids))
         for k in ids:
             self.rounds_done[k] = self.rounds_done.get(k, 0) + 1
-        mean_loss = sum(l for _, res in self.results for l in res.losses) / sum(len(res.losses) for _, res in self.results)
-        return wire.to_record(self.global_params), MetricRecord({"mean-loss": mean_loss})
+        return TrainOutcome(RoundRecord(ids, [res for _, res in results], weights), missing, rejected,
+                            bytes_down, bytes_up)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord, MetricRecord]:
+        """Flower's hook: `collect_train`, as records."""
+        outcome = self.collect_train(server_round, replies)
+        losses = [loss for res in outcome.record.results for loss in res.losses]
+        return wire.to_record(self.global_params), MetricRecord({"mean-loss": sum(losses) / len(losses)})
 
     def _accept(self, content: RecordDict) -> tuple[dict[str, Params], dict]:
         """A training reply's update (cast to the adapter's dtype) and metrics, once they pass
@@ -225,31 +262,36 @@ class MethodStrategy(Strategy):
         """`config`: ``limit`` (test examples per client, 0: all), ``base`` (also the base
         model), ``predictions`` (clients write their generations next to their state)."""
         self.connect(grid, wait_for=0, timeout=0)
-        clients = sorted(self.nodes)
-        self.missing = {k: "its SuperNode is not connected" for k in range(self.num_clients) if k not in self.nodes}
+        clients = sorted(self.nodes.of)
+        self._unreached = {k: "its SuperNode is not connected" for k in range(self.num_clients)
+                           if k not in self.nodes.of}
         return self._messages(clients, lambda k: RecordDict({wire.GLOBAL: arrays, "config": self._config(k, **config)}),
                               MessageType.EVALUATE, server_round)
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord:
+    def collect_evaluate(self, server_round: int, replies: Iterable[Message]) -> EvalOutcome:
         got, missing = self._match(replies)
-        self.missing.update(missing)
-        self.scores = {}
+        scores = {}
         for k in sorted(got):
             try:
-                scores = {**dict(got[k].content.metric_records["metrics"]),
-                          "task": got[k].content.config_records["info"]["task"]}
+                reply = {**dict(got[k].content.metric_records["metrics"]),
+                         "task": got[k].content.config_records["info"]["task"]}
             except Exception as exc:  # a malformed reply: that client is left out
-                scores = {"error": f"cannot decode the reply ({type(exc).__name__}: {exc})"}
-            reason = scores.get("error") or validate.validate_eval_metrics(scores)
+                reply = {"error": f"cannot decode the reply ({type(exc).__name__}: {exc})"}
+            reason = reply.get("error") or validate.validate_eval_metrics(reply)
             if reason:
-                self.missing[k] = f"evaluation rejected: {reason} (SuperNode {got[k].metadata.src_node_id})"
+                missing[k] = f"evaluation rejected: {reason} (SuperNode {got[k].metadata.src_node_id})"
             else:
-                self.scores[k] = scores
-        for k in sorted(self.missing):
-            log.warning("evaluation: %s is missing: %s", self.name(k), self.missing[k])
+                scores[k] = reply
+        for k in sorted(missing):
+            log.warning("evaluation: %s is missing: %s", self.name(k), missing[k])
+        return EvalOutcome(scores, missing)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord:
+        """Flower's hook: `collect_evaluate`, averaged."""
+        scores = self.collect_evaluate(server_round, replies).scores
         out = {}
         for key in ("rouge-l-personalized", "rouge-l-global"):
-            values = [s[key] for s in self.scores.values()]
+            values = [s[key] for s in scores.values()]
             if values:
                 out[key] = sum(values) / len(values)
         return MetricRecord(out)

@@ -27,8 +27,6 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 
 from ..config import RunConfig, build_config, parse_set, to_dict
-from ..data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
-from ..data.synthetic import SYNTHETIC_TASKS
 from ..errors import UserError
 from ..methods.base import Params
 
@@ -102,13 +100,3 @@ def config_json(cfg: RunConfig) -> str:
 
 def config_from_json(text: str) -> RunConfig:
     return build_config(None, json.loads(text))
-
-
-def client_tasks(cfg: RunConfig) -> list[str]:
-    """The category of every client, in client order (partition-id k holds the k-th)."""
-    if cfg.data.clients is not None:
-        return list(cfg.data.clients)
-    defaults = {"synthetic": list(SYNTHETIC_TASKS), "dolly": DOLLY_PAPER_CATEGORIES, "flan": FLAN_PAPER_CATEGORIES}
-    if cfg.data.name not in defaults:
-        raise UserError(f"unknown federation {cfg.data.name!r}; valid: {', '.join(defaults)}")
-    return list(defaults[cfg.data.name])

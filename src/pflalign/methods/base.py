@@ -73,7 +73,11 @@ def weighted_average(items: list[Params], weights: list[float]) -> Params:
 class Method:
     """FedAvg's rules are the defaults; a method overrides only what differs."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # the registry's name (`--set method=...`, run folders, results.json)
+    # the paper's spelling in tables and figures (None: `name`); not inherited: an ablation
+    # (a subclass) is called by its own name
+    label: ClassVar[str | None] = None
+    family: ClassVar[str] = "Other"  # the row group of the report's table (FAMILIES in methods/__init__.py)
     Args: ClassVar[type] = NoArgs
     # the groups of `client_end`'s message that hold adapter weights (the Flower server measures
     # an update's size against w^r there; other groups, like SCAFFOLD's delta_c, as they are)
@@ -81,6 +85,10 @@ class Method:
 
     def __init__(self, args=None):
         self.args = args if args is not None else self.Args()
+
+    @classmethod
+    def display_name(cls) -> str:
+        return cls.__dict__.get("label") or cls.name
 
     @classmethod
     def arg_names(cls) -> list[str]:
@@ -108,11 +116,12 @@ class Method:
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         """One local step, in place on the live `params`; returns the minibatch loss.
 
-        `grad_fn()` computes (loss, gradients) at the current `params`; a
+        `grad_fn()` computes (loss, gradients) at the current `params`, with
+        autograd on (the caller's closure turns it on, as `torch.optim` does
+        around its closure, so that the step itself runs without it); a
         method may call it more than once (SAM).
         """
-        with torch.enable_grad():
-            loss, grads = grad_fn()
+        loss, grads = grad_fn()
         for n, w in params.items():
             w.add_(grads[n], alpha=-ctx.lr)
         return loss

@@ -11,3 +11,5 @@ from .base import Method
 
 class FedAvg(Method):
     name = "fedavg"
+    label = "FedAvg"
+    family = "Optimizer-based"

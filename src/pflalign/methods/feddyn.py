@@ -43,6 +43,8 @@ class FedDynArgs:
 
 class FedDyn(Method):
     name = "feddyn"
+    label = "FedDyn"
+    family = "Optimizer-based"
     Args = FedDynArgs
 
     def init_client_state(self, global_params: Params) -> State:
@@ -50,8 +52,7 @@ class FedDyn(Method):
 
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
-        with torch.enable_grad():
-            loss, grads = grad_fn()
+        loss, grads = grad_fn()
         alpha, lam = self.args.alpha, state["lambda"]
         for n, w in params.items():
             w.add_(grads[n] - lam[n] + alpha * (w - ctx.global_params[n]), alpha=-ctx.lr)

@@ -103,6 +103,8 @@ def joint_norm(tensors: Params) -> float:
 
 class FedGloSS(Method):
     name = "fedgloss"
+    label = "FedGloSS"
+    family = "Optimizer-based"
     Args = FedGloSSArgs
 
     def radius(self, final: float, round_index: int) -> float:
@@ -123,15 +125,13 @@ class FedGloSS(Method):
 
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
-        with torch.enable_grad():
-            loss, grads = grad_fn()
+        loss, grads = grad_fn()
         rho_local, norm = self.radius(self.args.rho_local, ctx.round), joint_norm(grads)
         if rho_local > 0 and norm > 0:
             here = clone(params)
             for n, w in params.items():
                 w.add_(grads[n], alpha=rho_local / norm)  # to w + e ...
-            with torch.enable_grad():
-                _, grads = grad_fn()  # ... the gradient there ...
+            _, grads = grad_fn()  # ... the gradient there ...
             for n, w in params.items():
                 w.copy_(here[n])  # ... and back to w exactly
         for n, w in params.items():

@@ -61,6 +61,7 @@ class FedAdamArgs(FedOptArgs):
 class FedOpt(Method):
     """FedAvg's clients with an adaptive server optimiser; subclasses define `update_v`."""
 
+    family = "Optimizer-based"
     Args = FedOptArgs
 
     def init_server_state(self, global_params: Params) -> State:
@@ -87,6 +88,7 @@ class FedOpt(Method):
 
 class FedAdam(FedOpt):
     name = "fedadam"
+    label = "FedAdam"
     Args = FedAdamArgs
 
     def update_v(self, v, delta_sq):
@@ -95,6 +97,7 @@ class FedAdam(FedOpt):
 
 class FedYogi(FedOpt):
     name = "fedyogi"
+    label = "FedYogi"
     Args = FedAdamArgs  # same hyperparameters as FedAdam, only the v update differs
 
     def update_v(self, v, delta_sq):
@@ -104,6 +107,7 @@ class FedYogi(FedOpt):
 
 class FedAdagrad(FedOpt):
     name = "fedadagrad"
+    label = "FedAdagrad"
     Args = FedOptArgs
 
     def update_v(self, v, delta_sq):

@@ -32,12 +32,13 @@ class FedProxArgs:
 
 class FedProx(Method):
     name = "fedprox"
+    label = "FedProx"
+    family = "Optimizer-based"
     Args = FedProxArgs
 
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
-        with torch.enable_grad():
-            loss, grads = grad_fn()
+        loss, grads = grad_fn()
         mu = self.args.mu
         for n, w in params.items():
             proximal_grad = grads[n] + mu * (w - ctx.global_params[n])

@@ -45,8 +45,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..params import is_lora_b
 from .base import Message, Method, Params, RoundContext, State, clone, weighted_average
-from .ffa_lora import is_lora_b
 
 GLOBAL_B_RULES = ("mean", "init")
 PERSONALIZED_RULES = ("after_aggregation", "before_aggregation")
@@ -67,6 +67,8 @@ class FedSALoRAArgs:
 
 class FedSALoRA(Method):
     name = "fedsa-lora"
+    label = "FedSA-LoRA"
+    family = "LoRA-modulation"
     Args = FedSALoRAArgs
     weight_groups = ("shared", "eval_B")
 

@@ -45,20 +45,20 @@ def joint_norm(tensors: Params) -> torch.Tensor:
 
 class FedSAM(Method):
     name = "fedsam"
+    label = "FedSAM"
+    family = "Optimizer-based"
     Args = FedSAMArgs
 
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
-        with torch.enable_grad():
-            loss, grads = grad_fn()
+        loss, grads = grad_fn()
         norm = float(joint_norm(grads))
         if self.args.rho > 0 and norm > 0:
             scale = self.args.rho / norm
             start = {n: w.clone() for n, w in params.items()}
             for n, w in params.items():
                 w.add_(grads[n], alpha=scale)  # climb to w + ε ...
-            with torch.enable_grad():
-                _, grads = grad_fn()  # ... take the gradient there ...
+            _, grads = grad_fn()  # ... take the gradient there ...
             for n, w in params.items():
                 w.copy_(start[n])  # ... and step from w itself (restored exactly, not w + ε − ε)
         for n, w in params.items():

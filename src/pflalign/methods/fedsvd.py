@@ -40,8 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..params import is_lora_a, lora_b_name
 from .base import Message, Params, RoundContext, State
-from .ffa_lora import FFALoRA, is_lora_a, lora_b_name
+from .ffa_lora import FFALoRA
 
 
 @dataclass
@@ -74,6 +75,7 @@ def svd_refactor(B: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 class FedSVD(FFALoRA):
     name = "fedsvd"
+    label = "FedSVD"
     Args = FedSVDArgs
 
     def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],

@@ -28,33 +28,21 @@ from __future__ import annotations
 
 import torch
 
+from ..params import is_lora_a
 from .base import GradFn, Message, Method, Params, RoundContext, State, StepContext, weighted_average
-
-
-def is_lora_a(name: str) -> bool:
-    """PEFT names A as `...lora_A.<adapter>.weight` (B likewise with lora_B)."""
-    return "lora_A" in name
-
-
-def is_lora_b(name: str) -> bool:
-    return "lora_B" in name
-
-
-def lora_b_name(a_name: str) -> str:
-    """The B of the pair that A belongs to."""
-    return a_name.replace("lora_A", "lora_B")
 
 
 class FFALoRA(Method):
     name = "ffa-lora"
+    label = "FFA-LoRA"
+    family = "LoRA-modulation"
 
     def trains(self, name: str) -> bool:
         return not is_lora_a(name)
 
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
-        with torch.enable_grad():
-            loss, grads = grad_fn()
+        loss, grads = grad_fn()
         for n, w in params.items():
             if self.trains(n):  # A is frozen
                 w.add_(grads[n], alpha=-ctx.lr)

@@ -13,6 +13,8 @@ from .base import Message, Method, Params, RoundContext, State, clone
 
 class Local(Method):
     name = "local"
+    label = "Local"
+    family = "Optimizer-based"
 
     def init_client_state(self, global_params: Params) -> State:
         return {"model": clone(global_params)}

@@ -66,6 +66,8 @@ def gamma_erf(m: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, eps: float)
 
 class PFLAlign(Method):
     name = "pflalign"
+    label = "pFLAlign"
+    family = "pFLAlign"
     Args = PFLAlignArgs
 
     def init_client_state(self, global_params: Params) -> State:
@@ -87,14 +89,13 @@ class PFLAlign(Method):
 
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
-        with torch.enable_grad():
-            loss, grads = grad_fn()
+        loss, grads = grad_fn()
         beta, eps, T = self.args.beta, self.args.eps, ctx.num_steps
         first = next(iter(params.values()))
         one = torch.ones((), dtype=first.dtype, device=first.device)
-        # Tensor by tensor, in place, with 1/(v+ε) shared by α and P: the step is
-        # ~26 element-wise passes over each small LoRA tensor while it is in
-        # cache (it was 36; flat multi-tensor ops stream all of them per pass and were slower).
+        # Tensor by tensor, in place, with 1/(v+ε) shared by α and P: each small LoRA
+        # tensor stays in cache through its update (flat multi-tensor ops would stream
+        # all of them through memory once per operation).
         for n, w in params.items():
             g = grads[n]
             m, v, P, delta = state["m"][n], state["v"][n], state["P"][n], state["delta"][n]

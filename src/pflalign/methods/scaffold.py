@@ -31,6 +31,8 @@ from .base import GradFn, Message, Method, Params, RoundContext, State, StepCont
 
 class Scaffold(Method):
     name = "scaffold"
+    label = "SCAFFOLD"
+    family = "Optimizer-based"
 
     # ---- client ---------------------------------------------------------------
     def init_client_state(self, global_params: Params) -> State:
@@ -44,8 +46,7 @@ class Scaffold(Method):
 
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
-        with torch.enable_grad():
-            loss, grads = grad_fn()
+        loss, grads = grad_fn()
         client_c, server_c = state["c"], state["server_c"]
         for n, w in params.items():
             w.add_(grads[n] - client_c[n] + server_c[n], alpha=-ctx.lr)

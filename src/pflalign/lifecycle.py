@@ -1,0 +1,216 @@
+"""One run's lifecycle, shared by both engines: the in-process one (`pflalign.engine`)
+and the Flower ServerApp (`pflalign.flower.server_app`).
+
+A run folder holds ``config.json`` (the resolved config), ``metrics.jsonl``
+(one JSON line per event), ``checkpoint.pt`` (after every round),
+``predictions.jsonl`` (in-process runs) and, last, ``results.json``: its
+presence means "finished". `prepare_run_dir` checks what a folder holds
+before a run starts; a `Recorder` owns everything written there: the config,
+the metrics lines, the checkpoints and ``results.json``, and the round loop's
+bookkeeping (`Recorder.train`: timing, the per-round line, the per-round
+evaluation's schedule, a checkpoint per round). An engine supplies only what
+differs: how a round is trained, how clients are scored, and what its
+checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import checkpoint as ckpt
+from .client import ClientRound
+from .config import RunConfig, build_config, to_dict
+from .errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+# ---- the run folder -------------------------------------------------------------
+def prepare_run_dir(out: Path, resume: bool, overwrite: bool) -> bool:
+    """Check what is in `out`; returns True when a checkpoint should be resumed."""
+    finished = (out / ckpt.RESULTS).exists()
+    started = ckpt.has_run_checkpoint(out)
+    if overwrite:
+        for name in (ckpt.RESULTS, ckpt.METRICS, ckpt.PREDICTIONS, ckpt.CONFIG):
+            (out / name).unlink(missing_ok=True)
+        ckpt.remove_run_checkpoints(out)
+        return False
+    if finished:
+        raise UserError(f"{out} holds a finished run; pass --overwrite to replace it")
+    if resume:
+        if not started:
+            raise UserError(f"{out} has no checkpoint to resume; run without --resume")
+        return True
+    if started:
+        raise UserError(f"{out} holds an unfinished run; pass --resume to continue it or --overwrite to restart")
+    return False
+
+
+def saved_config(out: Path) -> RunConfig:
+    """The config a run folder was started with."""
+    return build_config(None, json.loads((out / ckpt.CONFIG).read_text()))
+
+
+# ---- round bookkeeping shared by the engines ------------------------------------
+def sample_clients(num_clients: int, fraction: float, seed: int, round_index: int) -> list[int]:
+    """Participants of a round: all by default, else a seeded sample (a pure function of seed and round)."""
+    if fraction >= 1.0:
+        return list(range(num_clients))
+    count = max(1, round(fraction * num_clients))
+    rng = np.random.default_rng([seed, round_index])
+    return sorted(rng.choice(num_clients, size=count, replace=False).tolist())
+
+
+def results_summary(cfg: RunConfig, rows: list[dict], truncated: int) -> dict:
+    """`results.json` from the per-client rows (averages are plain means over clients)."""
+
+    def mean(key):
+        values = [r[key] for r in rows if r[key] is not None]
+        return float(np.mean(values)) if values else None
+
+    return {
+        "method": cfg.method, "dataset": cfg.data.name, "seed": cfg.seed, "model": cfg.model,
+        "rounds": cfg.rounds, "local_steps": cfg.local_steps, "clients": rows,
+        "avg_rouge_l_personalized": mean("rouge_l_personalized"),
+        "avg_rouge_l_global": mean("rouge_l_global"),
+        "avg_rouge_l_base": mean("rouge_l_base"),
+        "truncated_train_examples": truncated,
+    }
+
+
+def client_row(k: int, name: str, n_train: int, n_test: int, personalized: float, global_: float,
+               base: float | None) -> dict:
+    """One client's entry of `results.json`'s ``clients`` (``task``: the client's name)."""
+    return {"id": k, "task": name, "n_train": n_train, "n_test": n_test, "rouge_l_personalized": personalized,
+            "rouge_l_global": global_, "rouge_l_base": base}
+
+
+@dataclass
+class RoundRecord:
+    """What one round produced, as an engine hands it to the recorder."""
+
+    clients: list[int]  # the clients whose updates were aggregated, in message order
+    results: list[ClientRound]  # theirs, same order
+    weights: list[float]  # their aggregation weights
+    extra: dict = field(default_factory=dict)  # more fields of the round's line (Flower: bytes, missing clients)
+
+
+class Recorder:
+    """Everything a run writes into its folder `out`, and the round loop around an engine.
+
+    Built before the engine's objects (it tells whether the run resumes, and from
+    which checkpoint and config); `open` then writes the config (fresh run) or
+    cuts the metrics back to the checkpoint (resumed run).
+    """
+
+    def __init__(self, out: Path | str, resume: bool, overwrite: bool):
+        self.out = Path(out)
+        self.resuming = prepare_run_dir(self.out, resume, overwrite)
+        self.checkpoint = ckpt.load_run_checkpoint(self.out) if self.resuming else None  # the one resumed from
+        self.metrics: ckpt.MetricsLog | None = None
+        self.saved = (0, 0)  # (rounds done, metrics offset) of the newest checkpoint on disk
+        self.in_round: int | None = None  # the round being trained, for an interrupt's message
+
+    def config(self, cfg: RunConfig) -> RunConfig:
+        """The run's config: `cfg` for a fresh run, the saved one when resuming."""
+        return saved_config(self.out) if self.resuming else cfg
+
+    @property
+    def start_round(self) -> int:
+        return self.checkpoint["rounds_done"] if self.resuming else 0
+
+    def open(self, cfg: RunConfig) -> None:
+        if self.resuming:
+            self.saved = (self.checkpoint["rounds_done"], self.checkpoint["metrics_offset"])
+            self.metrics = ckpt.MetricsLog(self.out / ckpt.METRICS, resume_offset=self.saved[1])
+            log.info("resuming %s after round %d of %d", self.out, self.saved[0], cfg.rounds)
+        else:
+            self.out.mkdir(parents=True, exist_ok=True)
+            ckpt.write_json(self.out / ckpt.CONFIG, to_dict(cfg))
+            # resume_offset=0: drop lines of a run that never checkpointed
+            self.metrics = ckpt.MetricsLog(self.out / ckpt.METRICS, resume_offset=0)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+
+    # ---- metrics lines ------------------------------------------------------------
+    def train_step(self, r: int, k: int, t: int, loss: float) -> None:
+        self.metrics.write(event="train_step", round=r, client=k, step=t, loss=loss)
+
+    def client_round(self, r: int, k: int, res: ClientRound) -> None:
+        self.metrics.write(event="client_round", round=r, client=k, gsnr_mean=res.gsnr_mean,
+                           gsnr_ratio=res.gsnr_ratio, update_norm=res.update_norm, model_norm=res.model_norm)
+
+    def round_line(self, r: int, seconds: float, rec: RoundRecord) -> float:
+        """The round's line; returns its mean training loss."""
+        mean_loss = float(np.mean([loss for res in rec.results for loss in res.losses]))
+        self.metrics.write(
+            event="round", round=r, seconds=seconds, clients=rec.clients, mean_loss=mean_loss,
+            # aggregation consistency: data-weighted size of the client updates, and of the
+            # client models as printed in the paper's formula (see docs/usage.md)
+            consistency_update_norm=sum(w * res.update_norm for w, res in zip(rec.weights, rec.results)),
+            consistency_model_norm=sum(w * res.model_norm for w, res in zip(rec.weights, rec.results)),
+            **rec.extra,
+        )
+        return mean_loss
+
+    def round_eval(self, r: int, k: int, name: str, n_test: int, personalized: float, global_: float) -> None:
+        self.metrics.write(event="round_eval", round=r, client=k, task=name, n_test=n_test,
+                           rouge_l_personalized=personalized, rouge_l_global=global_)
+
+    # ---- checkpoints --------------------------------------------------------------
+    def save(self, rounds_done: int, payload: dict) -> None:
+        """Commit the metrics and write the checkpoint after `rounds_done` rounds (a Ctrl-C waits
+        until the checkpoint and `saved` agree)."""
+        with ckpt.sigint_deferred():
+            offset = self.metrics.commit()
+            ckpt.save_run_checkpoint(self.out, {"rounds_done": rounds_done, **payload, "metrics_offset": offset})
+            self.saved = (rounds_done, offset)
+
+    def rollback(self) -> None:
+        """Drop the metrics lines after the newest checkpoint (of a round that will not finish)."""
+        self.metrics.rollback(self.saved[1])
+
+    # ---- the rounds -----------------------------------------------------------------
+    def train(self, cfg: RunConfig, start: int, end: int, train_round: Callable[[int], RoundRecord],
+              round_eval: Callable[[int], None], payload: Callable[[], dict],
+              after: Callable[[int, float, float], None]) -> int:
+        """Rounds start..end-1: train one (`train_round`), its line, the per-round scores when
+        `eval.every` says so, a checkpoint; `after(r, mean_loss, seconds)` (progress, logs).
+        Returns the rounds done."""
+        for r in range(start, end):
+            self.in_round = r
+            tic = time.perf_counter()
+            rec = train_round(r)
+            seconds = time.perf_counter() - tic
+            mean_loss = self.round_line(r, seconds, rec)
+            if cfg.eval.every and (r + 1) % cfg.eval.every == 0:
+                round_eval(r)
+            self.save(r + 1, payload())
+            after(r, mean_loss, seconds)
+        self.in_round = None
+        return end
+
+    # ---- the end ----------------------------------------------------------------------
+    def finish(self, results: dict, train_seconds: float, eval_seconds: float,
+               predictions: list[dict] | None = None, **extra) -> dict:
+        """The final line, ``predictions.jsonl`` (when given) and, last, ``results.json`` (with
+        the session's timings and `extra`)."""
+        results["seconds_train_this_session"] = train_seconds
+        results["seconds_eval"] = eval_seconds
+        results.update(extra)
+        self.metrics.write(event="eval", **{k: v for k, v in results.items() if k.startswith("avg_")})
+        self.metrics.commit()
+        self.close()
+        if predictions is not None:
+            ckpt.write_jsonl(self.out / ckpt.PREDICTIONS, predictions)
+        ckpt.write_json(self.out / ckpt.RESULTS, results)  # last: its presence means "finished"
+        return results

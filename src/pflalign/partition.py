@@ -1,0 +1,75 @@
+"""The partition step: from a dataset's examples to the federation's clients.
+
+A client has a name (results, metrics and logs call it by that name) and the
+examples it holds; the data layer (`pflalign.data`) only returns examples by
+task (category). Today there is one partitioner, ``category``: client k holds
+the k-th category of ``data.clients`` (the paper's 4 categories by default),
+its name is that category's. Another split (e.g. a Dirichlet mix of
+categories) is one more function in `PARTITIONERS` that returns
+`ClientShare`s; the engines, the report and the figures only see names.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from .config import RunConfig
+from .data import Example
+from .data.load import DEFAULT_CATEGORIES, load_federation
+from .errors import UserError
+
+
+@dataclass
+class ClientShare:
+    """One client's data: its name and its train/test examples."""
+
+    name: str
+    train: list[Example]
+    test: list[Example]
+
+
+def client_names(cfg: RunConfig) -> list[str]:
+    """The name of every client, in client order (Flower's partition-id k is the k-th)."""
+    if cfg.data.clients is not None:
+        return list(cfg.data.clients)
+    if cfg.data.name not in DEFAULT_CATEGORIES:
+        raise UserError(f"unknown federation {cfg.data.name!r}; valid: {', '.join(DEFAULT_CATEGORIES)}")
+    return list(DEFAULT_CATEGORIES[cfg.data.name])
+
+
+def by_category(cfg: RunConfig, data_dir: str | None, which: list[int] | None) -> list[ClientShare]:
+    """One client per category of ``data.clients``, named after it; `which`: only those clients
+    (None: all), so that a Flower client loads only its own category."""
+    categories = cfg.data.clients if which is None else [client_names(cfg)[k] for k in which]
+    tasks = load_federation(cfg.data.name, data_dir, categories, cfg.data.split_seed,
+                            cfg.data.max_train, cfg.data.max_test)
+    return [ClientShare(t.task, t.train, t.test) for t in tasks]
+
+
+PARTITIONERS = {"category": by_category}
+
+
+def hold_out_validation(share: ClientShare, n: int, split_seed: int) -> ClientShare:
+    """A validation split carved from the training data, for choosing hyperparameters without
+    ever looking at the test split: n training examples, drawn with an RNG seeded by
+    `f"validation:{split_seed}:{name}"` (the same for every run seed), become the examples the
+    client is evaluated on; the rest, in their original order, are its training data."""
+    if n <= 0 or n >= len(share.train):
+        raise UserError(f"data.validation={n} must be > 0 and leave training data: client {share.name!r} "
+                        f"has {len(share.train)} training examples")
+    order = list(range(len(share.train)))
+    random.Random(f"validation:{split_seed}:{share.name}").shuffle(order)
+    held = set(order[:n])
+    return ClientShare(share.name, [e for i, e in enumerate(share.train) if i not in held],
+                       [share.train[i] for i in sorted(held)])
+
+
+def client_shares(cfg: RunConfig, data_dir: str | None = None, which: list[int] | None = None) -> list[ClientShare]:
+    """The clients' data (`which`: only those, in that order; None: all) with the dataset read
+    from `data_dir` (None: ``data.dir``); with ``data.validation`` each client is evaluated on
+    a split held out of its training data instead of its test split."""
+    shares = PARTITIONERS["category"](cfg, cfg.data.dir if data_dir is None else data_dir, which)
+    if cfg.data.validation is None:
+        return shares
+    return [hold_out_validation(s, cfg.data.validation, cfg.data.split_seed) for s in shares]
