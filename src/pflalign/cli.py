@@ -69,8 +69,11 @@ def cmd_sweep(args) -> int:
         for r in runs:
             print(f"{r.key:<40} {r.state():<10} {r.out}")
         return 0
+    from .run_dir import RunLock
+
     try:
-        run_sweep(runs, progress=not args.no_progress)
+        with RunLock(Path(args.out), "sweep"):  # one sweep at a time in a folder (each run also locks its own)
+            run_sweep(runs, progress=not args.no_progress)
     except KeyboardInterrupt:
         print("pflalign: interrupted; rerun the same sweep command to continue where it stopped", file=sys.stderr)
         return 130

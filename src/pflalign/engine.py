@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import allocator, checkpoint as ckpt
+from . import allocator, checkpoint as ckpt, run_dir
 from .config import RunConfig, build_config, method_args, to_dict
 from .client import local_round
 from .data import ClientData
@@ -308,6 +308,7 @@ class Federation:
         return summarize(cfg, rows, self.truncated), predictions
 
 
+@run_dir.guarded  # --out checked and locked, --overwrite restores the old run on failure
 def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
         stop_after: int | None = None, progress: bool = True) -> dict | None:
     """Run (or resume) one federated job into `out`; returns results, or None when stopped early."""

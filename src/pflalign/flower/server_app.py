@@ -33,7 +33,7 @@ import torch
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from .. import checkpoint as ckpt
+from .. import checkpoint as ckpt, run_dir
 from ..config import build_config, method_args, to_dict
 from ..engine import prepare_run_dir, summarize
 from ..errors import UserError
@@ -49,7 +49,9 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     try:
-        run(grid, {**wire.RUN_DEFAULTS, **context.run_config})
+        rc = {**wire.RUN_DEFAULTS, **context.run_config}
+        with run_dir.guard(Path(str(rc["out"])).expanduser().absolute(), bool(rc["resume"]), bool(rc["overwrite"])):
+            run(grid, rc)
     except UserError as exc:
         log.error("pflalign: error: %s", exc)
         raise
