@@ -37,6 +37,8 @@ def cmd_run(args) -> int:
     overrides = parse_set(args.set or [])
     if args.data_dir is not None:
         overrides.setdefault("data", {})["dir"] = args.data_dir
+    if args.stop_after_rounds is not None and args.stop_after_rounds < 1:
+        raise UserError(f"--stop-after-rounds must be >= 1, got {args.stop_after_rounds}")
     if args.resume and (args.set or args.data_dir):
         raise UserError("--resume continues with the run's saved config; drop --set/--data-dir")
     cfg = None if args.resume else build_config(args.config, overrides)

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import allocator, checkpoint as ckpt, run_dir
-from .config import RunConfig, build_config, method_args, to_dict
+from .config import RunConfig, build_config, load_saved_config, method_args, to_dict
 from .client import local_round
 from .data import ClientData
 from .data.load import load_federation
@@ -151,6 +151,7 @@ class Federation:
         )
         dtype = getattr(torch, cfg.dtype)
         self.lm = FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=dtype, device=resolve_device(cfg.device))
+        self.lm.check_max_seq_len(cfg.max_seq_len)
         self.method: Method = method_class(cfg.method)(method_args(cfg))
         self.global_params = self.lm.get_lora()
         self.server_state = self.method.init_server_state(self.global_params)
@@ -368,5 +369,4 @@ def _interrupted(out: Path, fed: Federation, metrics: ckpt.MetricsLog) -> RunInt
 
 
 def _saved_config(out: Path) -> RunConfig:
-    saved = json.loads((out / ckpt.CONFIG).read_text())
-    return build_config(None, saved)
+    return load_saved_config(out / ckpt.CONFIG)  # missing or damaged: one line (issue 20)

@@ -50,11 +50,14 @@ def _is_pflalign_config(path: Path) -> bool:
 
 
 def is_run_folder(folder: Path) -> bool:
-    """An empty folder, or one whose config.json is a pflalign run config, or (a run killed
-    before it wrote its config) one holding nothing but a run's files."""
+    """An empty folder, one with a run's checkpoint or metrics, one whose config.json is a
+    pflalign run config, or (a run killed before it wrote its config) one holding nothing but
+    a run's files."""
     entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
     if not entries or (folder / ASIDE).is_dir():  # a run being replaced by --overwrite
         return True
+    if any((folder / n).exists() for n in (ckpt.CHECKPOINT, ckpt.PREVIOUS, ckpt.MANIFEST, ckpt.METRICS)):
+        return True  # a run's own files (its config.json may be damaged: resume says so)
     if (folder / ckpt.CONFIG).exists():
         return _is_pflalign_config(folder / ckpt.CONFIG)
     return all(p.name in RUN_FILES for p in entries)

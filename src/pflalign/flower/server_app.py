@@ -34,7 +34,7 @@ from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from .. import checkpoint as ckpt, run_dir
-from ..config import build_config, method_args, to_dict
+from ..config import build_config, load_saved_config, method_args, to_dict
 from ..engine import prepare_run_dir, summarize
 from ..errors import UserError
 from ..methods import method_class
@@ -63,11 +63,12 @@ def run(grid: Grid, rc: dict) -> dict:
         resuming = prepare_run_dir(out, bool(rc["resume"]), bool(rc["overwrite"]))
     except UserError as exc:  # its advice names pflalign run's flags
         raise UserError(f"{exc} (here: --run-config 'resume=true' or 'overwrite=true')") from None
-    cfg = build_config(None, json.loads((out / ckpt.CONFIG).read_text())) if resuming else wire.resolve_config(rc)
+    cfg = load_saved_config(out / ckpt.CONFIG) if resuming else wire.resolve_config(rc)
     lm = FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=getattr(torch, cfg.dtype))
+    lm.check_max_seq_len(cfg.max_seq_len)
     strategy = MethodStrategy(method_class(cfg.method)(method_args(cfg)), cfg, lm.get_lora(),
                               experiment=uuid.uuid4().hex[:12], min_clients=int(rc["min-clients"]),
-                              max_update_norm=float(rc["max-update-norm"]))
+                              max_update_norm=float(rc["max-update-norm"]), max_update_ratio=float(rc["max-update-ratio"]))
     del lm  # the server only needed w^0
     start = 0
     if resuming:
