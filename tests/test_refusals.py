@@ -166,3 +166,37 @@ def test_report_on_a_half_finished_sweep_lists_the_unfinished_runs(capsys, finis
                   tmp_path / "report" / "report.md").read_text()
     assert "## Left out" in report
     assert "synth/pflalign/seed0: left out, unfinished (checkpoint after round 1 of 3)" in report
+
+
+# ---- item 5: resume says what it could not verify ---------------------------------------------
+def test_resume_without_metrics_is_refused(capsys, stopped_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(stopped_run, out)
+    (out / ckpt.METRICS).unlink()
+    err = _error(capsys, ["run", "--out", str(out), "--resume"])
+    assert "metrics.jsonl is missing" in err and "round 1" in err
+    assert not (out / ckpt.METRICS).exists() and not (out / ckpt.RESULTS).exists()
+
+
+def test_resume_with_metrics_of_another_run_is_refused(capsys, stopped_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(stopped_run, out)
+    lines = (out / ckpt.METRICS).read_text().splitlines(keepends=True)
+    (out / ckpt.METRICS).write_text("".join(lines[:-1]) + lines[-1].replace('"round": 0', '"round": 7') + "padding\n")
+    err = _error(capsys, ["run", "--out", str(out), "--resume"])
+    assert "does not match the checkpoint" in err
+
+
+def test_resume_without_the_manifest_says_so_and_refuses_a_damaged_tensor(capsys, caplog, stopped_run, tmp_path):
+    import torch
+
+    out = tmp_path / "run"
+    shutil.copytree(stopped_run, out)
+    (out / ckpt.MANIFEST).unlink()
+    payload = ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
+    tensor = next(iter(payload["global"].values()))
+    tensor.view(-1)[0] = float("nan")  # a bit flip in an exponent
+    ckpt.save_checkpoint(out / ckpt.CHECKPOINT, payload)
+    err = _error(capsys, ["run", "--out", str(out), "--resume"])
+    assert "holds NaN or Inf" in err and "checkpoint.json is missing" in err
+    assert any("loaded unverified" in m for m in caplog.messages)
