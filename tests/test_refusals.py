@@ -200,3 +200,9 @@ def test_resume_without_the_manifest_says_so_and_refuses_a_damaged_tensor(capsys
     err = _error(capsys, ["run", "--out", str(out), "--resume"])
     assert "holds NaN or Inf" in err and "checkpoint.json is missing" in err
     assert any("loaded unverified" in m for m in caplog.messages)
+
+
+def test_report_into_a_file_is_refused(capsys, finished_sweep, tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    err = _error(capsys, ["report", str(finished_sweep / "out"), "--out", str(tmp_path / "afile")])
+    assert "is a file, not a folder" in err and (tmp_path / "afile").read_text() == "mine"

@@ -332,6 +332,8 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None) -
     root, out = Path(root), Path(out)
     if not root.is_dir():
         raise UserError(f"{root} is not a folder")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder")
     runs, notes = find_runs(root)
     if not runs:
         left = f"; left out: {len(notes)} ({notes[0]}{', ...' if len(notes) > 1 else ''})" if notes else ""
