@@ -16,6 +16,7 @@ the other one is used; if neither is good the run cannot be resumed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -41,9 +42,30 @@ RESULTS = "results.json"
 PREDICTIONS = "predictions.jsonl"
 
 
+class DiskFull(UserError):
+    """A write failed for want of space or a file-size limit; the file it replaces is intact."""
+
+
+NO_ROOM = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}  # Python ignores SIGXFSZ: a size limit is EFBIG
+
+
+def _no_room(exc: OSError, path: Path) -> DiskFull:
+    return DiskFull(f"cannot write {path}: {exc.strerror or exc}")
+
+
 def _atomic_write(path: Path, write, before_rename=None) -> None:
     """`write(f)` to a temporary file beside `path`, fsync, rename it to `path`;
-    `before_rename(tmp)` runs once the bytes are on disk, before they get the name."""
+    `before_rename(tmp)` runs once the bytes are on disk, before they get the name.
+    Out of space (or over a file-size limit) is a `DiskFull` naming `path`."""
+    try:
+        _atomic_write_unchecked(path, write, before_rename)
+    except OSError as exc:
+        if exc.errno in NO_ROOM:
+            raise _no_room(exc, path) from None
+        raise
+
+
+def _atomic_write_unchecked(path: Path, write, before_rename=None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -209,11 +231,16 @@ class _HashingWriter:
 
     def __init__(self, file):
         self._file, self.sha256, self.size = file, hashlib.sha256(), 0
+        self.error: OSError | None = None  # torch's writer turns it into a RuntimeError: kept here
 
     def write(self, data) -> int:
         self.sha256.update(data)
         self.size += memoryview(data).nbytes
-        return self._file.write(data)
+        try:
+            return self._file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self._file.flush()
@@ -307,7 +334,12 @@ def save_run_checkpoint(out: Path, payload: dict) -> None:
 
         def write(f) -> None:
             hashing = _HashingWriter(f)
-            torch.save(pack_tensors(payload), hashing)
+            try:
+                torch.save(pack_tensors(payload), hashing)
+            except Exception:
+                if hashing.error is not None:  # the disk's error, not torch's "unexpected pos"
+                    raise hashing.error from None
+                raise
             written.update(sha256=hashing.sha256.hexdigest(), size=hashing.size)
 
         def vouch_then_shift(tmp: Path) -> None:
@@ -321,7 +353,13 @@ def save_run_checkpoint(out: Path, payload: dict) -> None:
             if keep is not None and keep[0] != PREVIOUS:
                 os.replace(out / keep[0], out / PREVIOUS)
 
-        _atomic_write(out / CHECKPOINT, write, before_rename=vouch_then_shift)
+        try:
+            _atomic_write(out / CHECKPOINT, write, before_rename=vouch_then_shift)
+        except DiskFull as exc:
+            kept = (f"the previous checkpoint{'' if keep[1]['rounds_done'] is None else ' (after round %d)' % keep[1]['rounds_done']}"
+                    f" is intact; free some space, then continue with --resume (same --out)" if keep is not None
+                    else "no round is saved yet; free some space and start again")
+            raise DiskFull(f"{exc}; {kept}") from None
         _fsync_dir(out)
 
 
@@ -358,8 +396,57 @@ def load_run_checkpoint(out: Path) -> dict:
             continue
         if problems:
             log.warning("%s: %s; resuming from %s (after round %d)", out, "; ".join(problems), name, rounds_done)
+        if manifest is None:
+            _verify_unvouched(out, name, payload)
+        _verify_metrics(out, payload)
         return payload
     raise UserError(f"no usable checkpoint in {out}: {'; '.join(problems)}; start again with --overwrite")
+
+
+def _all_finite(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return not obj.is_floating_point() or bool(torch.isfinite(obj).all())
+    if isinstance(obj, dict):
+        return all(_all_finite(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_all_finite(v) for v in obj)
+    return True
+
+
+def _verify_unvouched(out: Path, name: str, payload: dict) -> None:
+    """No manifest (deleted, or a run of an older pflalign): the checkpoint's checksum cannot be
+    checked. Say so, and refuse one holding NaN or Inf (what a damaged float usually becomes)."""
+    log.warning("%s: %s is missing, so %s is loaded unverified (its checksum cannot be checked)",
+                out, MANIFEST, name)
+    if not _all_finite(payload):
+        raise UserError(f"{out / name} holds NaN or Inf and {MANIFEST} is missing to vouch for it: "
+                        "the checkpoint is damaged; start again with --overwrite")
+
+
+def _verify_metrics(out: Path, payload: dict) -> None:
+    """metrics.jsonl must hold the rounds the checkpoint says are done (its last line up to the
+    checkpoint's offset is a line of round `rounds_done`); a resumed run would otherwise finish
+    with records that disagree with it (half its rounds missing)."""
+    offset, rounds = payload.get("metrics_offset") or 0, payload.get("rounds_done") or 0
+    path = out / METRICS
+    if offset <= 0 or rounds <= 0:
+        return
+    if not path.exists():
+        raise UserError(f"{path} is missing, but the checkpoint (after round {rounds}) records {offset} bytes of it: "
+                        "a resumed run would finish without the metrics of its first rounds; "
+                        "restore the file or start again with --overwrite")
+    with open(path, "rb") as f:
+        f.seek(max(0, offset - 65536))
+        head = f.read(offset - max(0, offset - 65536))
+    last = head.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    try:
+        row = json.loads(last)
+        ok = head.endswith(b"\n") and isinstance(row, dict) and row.get("round") == rounds - 1
+    except ValueError:
+        ok = False
+    if not ok and path.stat().st_size >= offset:
+        raise UserError(f"{path} does not match the checkpoint (after round {rounds}): its line at byte {offset} "
+                        "is not a line of that round; the file was changed; restore it or start again with --overwrite")
 
 
 class MetricsLog:
@@ -379,13 +466,25 @@ class MetricsLog:
         self._file = open(path, "ab")
 
     def write(self, **row) -> None:
-        self._file.write((json.dumps(row) + "\n").encode())
+        try:
+            self._file.write((json.dumps(row) + "\n").encode())
+        except OSError as exc:
+            raise self._no_room(exc)
 
     def commit(self) -> int:
         """Flush to disk; returns the offset to store in the checkpoint."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as exc:
+            raise self._no_room(exc)
         return self._file.tell()
+
+    def _no_room(self, exc: OSError) -> OSError:
+        if exc.errno not in NO_ROOM:
+            return exc
+        return DiskFull(f"{_no_room(exc, self.path)}; the last checkpoint is intact (its lines are kept); "
+                        "free some space, then continue with --resume (same --out)")
 
     def rollback(self, offset: int) -> None:
         """Drop everything after `offset` (the lines of a round that will not finish)."""
@@ -394,4 +493,8 @@ class MetricsLog:
         os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as exc:  # a full disk: what did not reach it is cut at resume anyway
+            if exc.errno not in NO_ROOM:
+                raise

@@ -37,6 +37,8 @@ def cmd_run(args) -> int:
     overrides = parse_set(args.set or [])
     if args.data_dir is not None:
         overrides.setdefault("data", {})["dir"] = args.data_dir
+    if args.stop_after_rounds is not None and args.stop_after_rounds < 1:
+        raise UserError(f"--stop-after-rounds must be >= 1, got {args.stop_after_rounds}")
     if args.resume and (args.set or args.data_dir):
         raise UserError("--resume continues with the run's saved config; drop --set/--data-dir")
     cfg = None if args.resume else build_config(args.config, overrides)
@@ -70,8 +72,11 @@ def cmd_sweep(args) -> int:
         for r in runs:
             print(f"{r.key:<40} {r.state():<10} {r.out}")
         return 0
+    from .run_dir import RunLock
+
     try:
-        run_sweep(runs, progress=not args.no_progress)
+        with RunLock(Path(args.out), "sweep"):  # one sweep at a time in a folder (each run also locks its own)
+            run_sweep(runs, progress=not args.no_progress)
     except KeyboardInterrupt:
         print("pflalign: interrupted; rerun the same sweep command to continue where it stopped", file=sys.stderr)
         return 130

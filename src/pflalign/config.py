@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import tomllib
 import types
 import typing
@@ -188,13 +189,27 @@ def load_config_source(source: str | None) -> dict:
     path = Path(source)
     if not path.is_file():
         raise UserError(f"config {source!r} is neither a file nor a preset{_suggest(source, PRESETS)}; presets: {', '.join(PRESETS)}")
-    text = path.read_text()
     try:
-        if path.suffix == ".json":
-            return json.loads(text)
-        return tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        text = path.read_text()
+        loaded = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot parse config: {exc}") from exc
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read config: {exc.strerror or exc}") from exc
+    if not isinstance(loaded, dict):
+        raise UserError(f"{path}: a config must be a table of keys, got a JSON {type(loaded).__name__}")
+    return loaded
+
+
+def load_saved_config(path: Path) -> RunConfig:
+    """A run folder's config.json (at resume), checked: a missing or damaged one is a `UserError`."""
+    if not path.is_file():
+        raise UserError(f"{path} is missing: the run's config cannot be recovered, so it cannot be resumed; "
+                        "start again with --overwrite")
+    try:
+        return build_config(str(path))
+    except UserError as exc:
+        raise UserError(f"{path} is damaged ({exc}); the run cannot be resumed; start again with --overwrite") from None
 
 
 def build_config(source: str | None = None, overrides: dict | None = None) -> RunConfig:
@@ -230,7 +245,48 @@ def validate(cfg: RunConfig) -> None:
                         ("eval.every_max_test", cfg.eval.every_max_test)):
         if value is not None and value <= 0:
             raise UserError(f"{name} must be > 0, got {value}")
+    check_values(cfg)
     method_args(cfg)  # unknown method or hyperparameter fails here, before any work
+
+
+def _non_finite(obj, prefix: str = "") -> list[str]:
+    """Dotted keys of NaN or infinite numbers anywhere in a (nested) config."""
+    if dataclasses.is_dataclass(obj):
+        obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return [k for key, v in obj.items() for k in _non_finite(v, f"{prefix}{key}.")]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return [prefix.rstrip(".")]
+    return []
+
+
+SEED_LIMIT = 2**32  # seeds feed numpy's and torch's generators, and seed * 1009 + client the data order
+
+
+def check_values(cfg: RunConfig) -> None:
+    """The value checks beyond `validate`'s first list (issue 20): each fails with one line
+    before anything loads, instead of a traceback in the model or in round 1."""
+    bad = _non_finite(cfg)
+    if bad:
+        raise UserError(f"config key {bad[0]} must be a finite number, got {_get(cfg, bad[0])}")
+    checks = [
+        (0 <= cfg.lora.dropout < 1, f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}"),
+        (bool(cfg.lora.target_modules) and all(isinstance(m, str) and m.strip() for m in cfg.lora.target_modules),
+         f"lora.target_modules must name at least one module (or all-linear), got {cfg.lora.target_modules!r}"),
+        (0 <= cfg.seed < SEED_LIMIT, f"seed must be in [0, 2**32), got {cfg.seed}"),
+        (0 <= cfg.data.split_seed < SEED_LIMIT, f"data.split_seed must be in [0, 2**32), got {cfg.data.split_seed}"),
+        (cfg.data.clients is None or len(cfg.data.clients) > 0, "data.clients must list at least one client"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+
+
+def _get(cfg, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+    return obj
 
 
 def method_args(cfg: RunConfig):
@@ -246,6 +302,8 @@ def method_args(cfg: RunConfig):
             listed = ", ".join(known) or "none"
             raise UserError(f"unknown argument {key!r} for method {cfg.method}{_suggest(key, known)}; it takes: {listed}")
         values[key] = _coerce(value, hints[key], f"method_args.{key}")
+        if isinstance(values[key], float) and not math.isfinite(values[key]):
+            raise UserError(f"method_args.{key} must be a finite number, got {values[key]}")
     try:
         return cls.Args(**values)
     except ValueError as exc:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import allocator
+from . import allocator, run_dir
 from .client import Client, make_client, score_client, train_client
 from .config import RunConfig, make_method
 from .errors import RunInterrupted, TrainingDiverged, UserError
@@ -40,6 +40,7 @@ class Federation:
         self.progress = progress
         shares = client_shares(cfg)
         self.lm = build_model(cfg)
+        self.lm.check_max_seq_len(cfg.max_seq_len)
         self.method: Method = make_method(cfg)
         self.global_params = self.lm.get_lora()
         self.server_state = self.method.init_server_state(self.global_params)
@@ -161,6 +162,7 @@ class Federation:
         return results_summary(cfg, rows, self.truncated), predictions
 
 
+@run_dir.guarded  # --out checked and locked, --overwrite restores the old run on failure
 def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
         stop_after: int | None = None, progress: bool = True) -> dict | None:
     """Run (or resume) one federated job into `out`; returns results, or None when stopped early."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import checkpoint as ckpt
 from .client import ClientRound
-from .config import RunConfig, build_config, to_dict
+from .config import RunConfig, load_saved_config, to_dict
 from .errors import UserError
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,8 @@ def prepare_run_dir(out: Path, resume: bool, overwrite: bool) -> bool:
 
 
 def saved_config(out: Path) -> RunConfig:
-    """The config a run folder was started with."""
-    return build_config(None, json.loads((out / ckpt.CONFIG).read_text()))
+    """The config a run folder was started with (missing or damaged: one line, issue 20)."""
+    return load_saved_config(out / ckpt.CONFIG)
 
 
 # ---- round bookkeeping shared by the engines ------------------------------------

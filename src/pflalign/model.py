@@ -189,6 +189,9 @@ def load_base_model(spec: str, dtype: torch.dtype = torch.float32):
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot load model {spec!r}: {_first_line(exc)}") from exc
     except Exception as exc:  # a damaged .gguf fails anywhere in its parser (struct.error, OverflowError, ...)
+        if type(exc).__module__.startswith("safetensors"):  # SafetensorError: truncated or not safetensors
+            raise UserError(f"cannot load model {spec!r}: damaged or truncated safetensors file "
+                            f"({_first_line(exc)[:120]})") from None
         if not spec.endswith(".gguf"):
             raise
         kind = type(exc).__name__ if type(exc).__module__ == "builtins" else f"{type(exc).__module__}.{type(exc).__name__}"
@@ -231,7 +234,10 @@ class FederatedLM:
         with torch.random.fork_rng(), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # PEFT calls a renamed transformers helper
             torch.manual_seed(seed)  # the LoRA A init is the only randomness in the model
-            model = get_peft_model(base, config)
+            try:
+                model = get_peft_model(base, config)
+            except ValueError as exc:  # PEFT's NoMatchingPeftModuleError among them
+                raise UserError(f"lora.target_modules {lora.target_modules!r}: {_first_line(exc)}") from None
         model.to(device).eval()
         # On CPU a row longer than the packing size is one long example (Dolly's reach 1024
         # tokens); its MLPs recompute g and u rather than keep them (lora_mlp.py), which
@@ -241,6 +247,14 @@ class FederatedLM:
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         return cls(model=model, tokenizer=tok, lora=params, segment_attention=segments, fused_mlps=fused,
                    fused_norms=norms)
+
+    def check_max_seq_len(self, max_seq_len: int) -> None:
+        """Refuse a max_seq_len beyond the model's positions before training (else an
+        IndexError in the position embedding mid-round, or a silently degraded model)."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if isinstance(limit, int) and max_seq_len > limit:
+            raise UserError(f"max_seq_len={max_seq_len} exceeds the model's {limit} positions "
+                            f"(max_position_embeddings); set max_seq_len <= {limit}")
 
     @property
     def device(self) -> torch.device:

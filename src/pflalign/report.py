@@ -97,12 +97,72 @@ class Run:
 
 def _read_metrics(path: Path) -> list[dict]:
     rows = []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a torn last line; the rest is still good
+        if isinstance(row, dict):
+            rows.append(row)
     return rows
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def read_results(path: Path) -> dict:
+    """A finished run's results.json, checked for what the tables use; a `UserError` saying
+    what is wrong otherwise (truncated, not UTF-8, no clients, null scores, ...)."""
+    try:
+        results = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}: not valid JSON (truncated?): {exc}") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    if not isinstance(results, dict):
+        raise UserError(f"{path}: expected a JSON object, got a {type(results).__name__}")
+    if not isinstance(results.get("method"), str) or not isinstance(results.get("seed"), int):
+        raise UserError(f"{path}: no method or seed")
+    clients = results.get("clients")
+    if not isinstance(clients, list) or not clients:
+        raise UserError(f"{path}: no clients")
+    for i, c in enumerate(clients):
+        if not isinstance(c, dict) or not isinstance(c.get("task"), str):
+            raise UserError(f"{path}: client {i} has no task")
+        if not _number(c.get("rouge_l_personalized")):
+            raise UserError(f"{path}: client {i} ({c['task']}) has no personalized score "
+                            f"(got {c.get('rouge_l_personalized')!r})")
+    if not _number(results.get("avg_rouge_l_personalized")):
+        raise UserError(f"{path}: no average personalized score (got {results.get('avg_rouge_l_personalized')!r})")
+    return results
+
+
+def _unfinished_notes(root: Path) -> list[str]:
+    """Run folders under `root` without results.json: a half-finished sweep's runs."""
+    notes = []
+    for config_path in sorted(root.rglob(ckpt.CONFIG)):
+        d = config_path.parent
+        if (d / ckpt.RESULTS).exists():
+            continue
+        try:
+            saved = json.loads(config_path.read_text())
+            if not isinstance(saved, dict) or "method" not in saved or "rounds" not in saved:
+                continue  # not a pflalign run folder (a model's config.json, ...)
+        except (OSError, ValueError):
+            notes.append(f"{d}: left out, unfinished and its config.json is unreadable")
+            continue
+        rounds = None
+        try:
+            entries = json.loads((d / ckpt.MANIFEST).read_text())["checkpoints"]
+            rounds = max(e["rounds_done"] for e in entries if isinstance(e.get("rounds_done"), int))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        where = f"checkpoint after round {rounds} of {saved['rounds']}" if rounds is not None else "no checkpoint yet"
+        notes.append(f"{d}: left out, unfinished ({where})")
+    return notes
 
 
 def find_runs(root: Path) -> tuple[list[Run], list[str]]:
@@ -115,10 +175,13 @@ def find_runs(root: Path) -> tuple[list[Run], list[str]]:
             notes.append(f"{d}: left out, no {' or '.join(missing)}")
             continue
         try:
-            results = json.loads(results_path.read_text())
-            config = json.loads((d / ckpt.CONFIG).read_text())
+            results = read_results(results_path)
+            config = json.loads((d / ckpt.CONFIG).read_bytes().decode("utf-8"))
             method, seed = results["method"], results["seed"]
-        except (json.JSONDecodeError, KeyError) as exc:
+        except UserError as exc:
+            notes.append(f"{d}: left out, {exc}")
+            continue
+        except (ValueError, KeyError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             notes.append(f"{d}: left out, unreadable results/config ({exc})")
             continue
         rel = d.relative_to(root).parts
@@ -127,7 +190,7 @@ def find_runs(root: Path) -> tuple[list[Run], list[str]]:
             method = rel[-2]  # a sweep's grid point keeps its own row
         dataset = rel[-3] if in_layout else results.get("dataset", "runs")
         runs.append(Run(d, dataset, method, seed, results, config, _read_metrics(d / ckpt.METRICS)))
-    return runs, notes
+    return runs, notes + _unfinished_notes(root)
 
 
 # ---- the table --------------------------------------------------------------
@@ -337,9 +400,12 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None) -
     root, out = Path(root), Path(out)
     if not root.is_dir():
         raise UserError(f"{root} is not a folder")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder")
     runs, notes = find_runs(root)
     if not runs:
-        raise UserError(f"no finished runs (results.json + metrics.jsonl + config.json) under {root}")
+        left = f"; left out: {len(notes)} ({notes[0]}{', ...' if len(notes) > 1 else ''})" if notes else ""
+        raise UserError(f"no finished runs (results.json + metrics.jsonl + config.json) under {root}{left}")
     lines = ["# pflalign report", "", f"{len(runs)} finished runs under `{root}`.", ""]
     for dataset in sorted({r.dataset for r in runs}):
         mine = [r for r in runs if r.dataset == dataset]

@@ -50,6 +50,7 @@ from . import checkpoint as ckpt
 from .config import RunConfig, build_config, load_config_source, to_dict
 from .errors import UserError
 from .methods import method_class
+from .report import read_results
 
 # The paper's Table 1 (its LLaMA rows: both families of baselines and pFLAlign), plus
 # `local`, no collaboration at all, the first thing a pFL reader asks about.
@@ -265,7 +266,7 @@ def _check_same_config(run: PlannedRun) -> None:
         return
     try:
         saved = _flat(to_dict(build_config(None, json.loads(saved_path.read_text()))))
-    except (UserError, json.JSONDecodeError) as exc:
+    except (UserError, ValueError, OSError) as exc:  # ValueError: not JSON, not UTF-8
         raise UserError(f"{saved_path}: unreadable saved config ({exc})") from exc
     wanted = _flat(json.loads(json.dumps(to_dict(run.cfg))))
     if run.done is not None:  # a copy made on another machine: the same data may lie elsewhere there
@@ -290,7 +291,11 @@ def run_sweep(runs: list[PlannedRun], progress: bool = True) -> list[dict]:
         state = r.state()
         bar.set_postfix_str(r.key)
         if state == "finished":
-            results = json.loads(((r.done or r.out) / ckpt.RESULTS).read_text())
+            try:
+                results = read_results((r.done or r.out) / ckpt.RESULTS)
+            except UserError as exc:
+                raise UserError(f"{exc}: this run is marked finished but its results cannot be used; "
+                                f"rerun it with pflalign run --out {r.done or r.out} --overwrite (with its config)") from None
             say(f"{head}: finished earlier, avg ROUGE-L {results['avg_rouge_l_personalized']:.2f}")
         else:
             tic = time.perf_counter()

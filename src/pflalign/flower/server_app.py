@@ -32,7 +32,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from .. import checkpoint as ckpt
+from .. import checkpoint as ckpt, run_dir
 from ..config import make_method
 from ..errors import UserError
 from ..lifecycle import Recorder, client_row, results_summary
@@ -47,7 +47,9 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     try:
-        run(grid, {**wire.RUN_DEFAULTS, **context.run_config})
+        rc = {**wire.RUN_DEFAULTS, **context.run_config}
+        with run_dir.guard(Path(str(rc["out"])).expanduser().absolute(), bool(rc["resume"]), bool(rc["overwrite"])):
+            run(grid, rc)
     except UserError as exc:
         log.error("pflalign: error: %s", exc)
         raise
@@ -59,9 +61,13 @@ def run(grid: Grid, rc: dict) -> dict:
     except UserError as exc:  # its advice names pflalign run's flags
         raise UserError(f"{exc} (here: --run-config 'resume=true' or 'overwrite=true')") from None
     cfg = rec.config(None) if rec.resuming else wire.resolve_config(rc)
-    strategy = MethodStrategy(make_method(cfg), cfg, build_model(cfg, device="cpu").get_lora(),  # the server needs only w^0
+    lm = build_model(cfg, device="cpu")
+    lm.check_max_seq_len(cfg.max_seq_len)
+    strategy = MethodStrategy(make_method(cfg), cfg, lm.get_lora(),  # the server needs only w^0
                               experiment=uuid.uuid4().hex[:12], min_clients=int(rc["min-clients"]),
-                              max_update_norm=float(rc["max-update-norm"]))
+                              max_update_norm=float(rc["max-update-norm"]),
+                              max_update_ratio=float(rc["max-update-ratio"]))
+    del lm
     if rec.resuming:
         saved = rec.checkpoint
         strategy.global_params, strategy.server_state = saved["global"], saved["server_state"]

@@ -121,7 +121,8 @@ class Nodes:
 
 class MethodStrategy(Strategy):
     def __init__(self, method: Method, cfg: RunConfig, global_params: Params, experiment: str,
-                 min_clients: int = 0, query_timeout: float = 120.0, max_update_norm: float = 0.0):
+                 min_clients: int = 0, query_timeout: float = 120.0, max_update_norm: float = 0.0,
+                 max_update_ratio: float = wire.RUN_DEFAULTS["max-update-ratio"]):
         self.method, self.cfg, self.experiment = method, cfg, experiment
         self.global_params = global_params
         self.server_state = method.init_server_state(global_params)
@@ -130,6 +131,7 @@ class MethodStrategy(Strategy):
         self.min_clients = min_clients
         self.expected = validate.expected_message(method, global_params)  # what a client's update must look like
         self.max_update_norm = max_update_norm  # 0: no bound
+        self.max_update_ratio = max_update_ratio  # x the global model's norm; 0: no bound
         self.rounds_done: dict[int, int] = {}  # client → rounds it finished (saved in the checkpoint)
         self.n_train: dict[int, int] = {}  # client → |D_k|, as the clients report it
         # between a configure_* hook and its collect_*: the messages sent and their clients, and
@@ -213,7 +215,7 @@ class MethodStrategy(Strategy):
         results, rejected = [], {}
         for k in sorted(got):
             try:
-                message, m = self._accept(got[k].content)
+                message, m = self._accept(got[k].content, k)
             except validate.InvalidUpdate as exc:  # untrusted input: left out, the round goes on
                 rejected[k] = str(exc)
                 log.warning("round %d: rejected the update of %s from SuperNode %d: %s", server_round,
@@ -223,8 +225,10 @@ class MethodStrategy(Strategy):
                 message=message, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr-mean"),
                 gsnr_ratio=m.get("gsnr-ratio"), update_norm=m["update-norm"], model_norm=m["model-norm"])))
             self.n_train[k] = m["n-train"]
-        if not results:
-            raise RoundFailed(f"round {server_round}: no valid update to aggregate; rejected: "
+        if len(results) < max(1, min(self.min_clients, sampled)):  # rejected ones do not count
+            raise RoundFailed(f"round {server_round}: " + ("no valid update to aggregate" if not results else
+                              f"{len(results)} valid updates, fewer than min-clients={self.min_clients}")
+                              + "; rejected: "
                               + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(rejected.items())))
         ids = [k for k, _ in results]
         weights = data_weights([self.n_train[k] for k in ids])
@@ -242,7 +246,7 @@ class MethodStrategy(Strategy):
         losses = [loss for res in outcome.record.results for loss in res.losses]
         return wire.to_record(self.global_params), MetricRecord({"mean-loss": sum(losses) / len(losses)})
 
-    def _accept(self, content: RecordDict) -> tuple[dict[str, Params], dict]:
+    def _accept(self, content: RecordDict, k: int | None = None) -> tuple[dict[str, Params], dict]:
         """A training reply's update (cast to the adapter's dtype) and metrics, once they pass
         `validate`; else `validate.InvalidUpdate` saying why."""
         try:
@@ -250,8 +254,11 @@ class MethodStrategy(Strategy):
             metrics = dict(content.metric_records["metrics"])
         except Exception as exc:  # whatever a malformed record raises while it is decoded
             raise validate.InvalidUpdate(f"cannot decode the reply ({type(exc).__name__}: {exc})") from None
-        reason = validate.validate_train_metrics(metrics, self.cfg.local_steps) or validate.validate_update(
-            update, self.expected, self.max_update_norm, {g: self.global_params for g in self.method.weight_groups})
+        reason = (validate.validate_records(content.array_records, self.expected, wire.MESSAGE)
+                  or validate.validate_train_metrics(metrics, self.cfg.local_steps, self.n_train.get(k))
+                  or validate.validate_update(update, self.expected, self.max_update_norm,
+                                              {g: self.global_params for g in self.method.weight_groups},
+                                              self.max_update_ratio, self.cfg.lr * self.cfg.local_steps))
         if reason:
             raise validate.InvalidUpdate(reason)
         return {g: {n: t.to(self.dtype) for n, t in ts.items()} for g, ts in update.items()}, metrics

@@ -3,8 +3,11 @@
 A training reply is accepted only if its update (the method's message: one
 ArrayRecord per group, ``message/<group>``) has exactly the groups, tensor
 names, shapes and dtypes that the method's client rule produces
-(`expected_message`), every value is finite, its norm is within
-``max-update-norm`` when that bound is set, and its metrics are well formed.
+(`expected_message`), every value is finite, it is not all zeros and changes the
+model, its norm is within ``max-update-ratio`` times the global model's norm
+(default 10) and within ``max-update-norm`` when that bound is set, it carries
+no ArrayRecord the method did not ask for, and its metrics are well formed
+(non-negative losses, norms and GSNR; n-train no larger than the client's first).
 Otherwise `MethodStrategy` rejects it, logs why with the client's SuperNode
 id, and aggregates the round over the other clients (docs/distributed.md).
 
@@ -60,13 +63,68 @@ def _key_difference(want, got, noun: str = "") -> str:
 
 
 def validate_update(update: Message, expected: Expected, max_norm: float = 0.0,
-                    reference: dict[str, Params] | None = None) -> str | None:
+                    reference: dict[str, Params] | None = None, max_ratio: float = 0.0,
+                    step_scale: float = 1.0) -> str | None:
     """Why `update` (group → tensors, as received) must be rejected, or None when it is fine.
 
     `max_norm` > 0 bounds ‖update − reference‖ over all tensors together, where
     `reference` maps a group to the tensors it is measured against (w^r for
     groups of adapter weights); a group without one is measured against zero.
+    `max_ratio` > 0 bounds it relative to the model: the change of the weight
+    groups by `max_ratio` × ‖w^r‖, every other group (a control variate, in
+    weight per unit of lr × local_steps) by `max_ratio` × ‖w^r‖ / `step_scale`.
+    An update whose tensors are all zero, or that leaves the weights exactly as
+    they were, is refused too (a client that did not train, or one resetting the model).
     """
+    reason = _check_structure(update, expected)
+    if reason:
+        return reason
+    reference = reference or {}
+    if any(t.numel() for ts in update.values() for t in ts.values()):
+        if all(not bool(t.any()) for ts in update.values() for t in ts.values()):
+            return "the update is all zeros"
+        if reference and all(torch.equal(t, reference[g][n].to(t.dtype)) for g in reference if g in update
+                             for n, t in update[g].items()):
+            return "the update leaves the model unchanged (no local training)"
+    if max_norm > 0:
+        norm = _distance(update, reference)
+        if not norm <= max_norm:
+            return f"update norm {norm:.4g} exceeds max-update-norm={max_norm:g}"
+    if max_ratio > 0 and reference:
+        scale = _norm(next(iter(reference.values())))
+        for weights in (True, False):
+            part = {g: ts for g, ts in update.items() if (g in reference) == weights}
+            if not part:
+                continue
+            norm = _distance(part, reference)
+            bound = max_ratio * scale / (1.0 if weights else step_scale)
+            if not norm <= bound:
+                what = "update norm" if weights else f"norm of {', '.join(sorted(part))}"
+                return (f"{what} {norm:.4g} exceeds max-update-ratio={max_ratio:g} x the global model's norm "
+                        f"{scale:.4g}" + ("" if weights else f" / (lr x local_steps = {step_scale:g})"))
+    return None
+
+
+def _norm(tensors: Params) -> float:
+    return math.sqrt(sum(float((t.double() * t.double()).sum()) for t in tensors.values()))
+
+
+def _distance(update: Message, reference: dict[str, Params]) -> float:
+    total = 0.0
+    for group, tensors in update.items():
+        for name, t in tensors.items():
+            d = t.double() - reference[group][name].double() if group in reference else t.double()
+            total += float((d * d).sum())
+    return math.sqrt(total)
+
+
+def validate_records(names, expected: Expected, prefix: str) -> str | None:
+    """Why a reply's ArrayRecords must be refused: any the method did not ask for."""
+    extra = set(names) - {prefix + g for g in expected}
+    return f"unexpected ArrayRecord {_names(extra)}" if extra else None
+
+
+def _check_structure(update: Message, expected: Expected) -> str | None:
     if update.keys() != expected.keys():
         return _key_difference(expected.keys(), update.keys(), "group ")
     for group, want in expected.items():
@@ -83,16 +141,6 @@ def validate_update(update: Message, expected: Expected, max_norm: float = 0.0,
                 return f"{group}/{name} has dtype {t.dtype}, expected {dtype}"
             if not torch.isfinite(t).all():
                 return f"{group}/{name} holds NaN or Inf"
-    if max_norm > 0:
-        reference = reference or {}
-        total = 0.0
-        for group, tensors in update.items():
-            for name, t in tensors.items():
-                d = t.double() - reference[group][name].double() if group in reference else t.double()
-                total += float((d * d).sum())
-        norm = math.sqrt(total)
-        if not norm <= max_norm:
-            return f"update norm {norm:.4g} exceeds max-update-norm={max_norm:g}"
     return None
 
 
@@ -108,6 +156,8 @@ def validate_eval_metrics(scores) -> str | None:
         value = scores.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             return f"metric {key!r} must be a non-negative integer, got {value!r}"
+    if scores["n-test"] == 0:
+        return "metric 'n-test' is 0: a score over no test examples"
     for key in ["rouge-l-personalized", "rouge-l-global"] + (["rouge-l-base"] if "rouge-l-base" in scores else []):
         value = scores.get(key)
         if not (_finite_number(value) and 0 <= value <= 100):
@@ -115,18 +165,24 @@ def validate_eval_metrics(scores) -> str | None:
     return None
 
 
-def validate_train_metrics(metrics, local_steps: int) -> str | None:
-    """Why a training reply's metrics must be rejected (what the server reads of them), or None."""
+def validate_train_metrics(metrics, local_steps: int, n_train_declared: int | None = None) -> str | None:
+    """Why a training reply's metrics must be rejected (what the server reads of them), or None.
+    `n_train_declared`: the n-train this client reported first in the run; it may not grow
+    (its aggregation weight)."""
     n_train = metrics.get("n-train")
     if not isinstance(n_train, int) or isinstance(n_train, bool) or n_train < 1:
         return f"metric 'n-train' must be a positive integer, got {n_train!r}"
+    if n_train_declared is not None and n_train > n_train_declared:
+        return f"metric 'n-train' is {n_train}, more than the {n_train_declared} the client declared at the start"
     losses = metrics.get("losses")
     if not isinstance(losses, list) or len(losses) != local_steps or not all(map(_finite_number, losses)):
         return f"metric 'losses' must hold {local_steps} finite numbers (one per local step)"
+    if any(loss < 0 for loss in losses):
+        return "metric 'losses' holds a negative loss (a cross-entropy is >= 0)"
     for key in ("update-norm", "model-norm"):
-        if not _finite_number(metrics.get(key)):
-            return f"metric {key!r} must be a finite number, got {metrics.get(key)!r}"
+        if not _finite_number(metrics.get(key)) or metrics[key] < 0:
+            return f"metric {key!r} must be a finite number >= 0, got {metrics.get(key)!r}"
     for key in ("gsnr-mean", "gsnr-ratio"):
-        if key in metrics and not _finite_number(metrics[key]):
-            return f"metric {key!r} must be a finite number, got {metrics[key]!r}"
+        if key in metrics and (not _finite_number(metrics[key]) or metrics[key] < 0):
+            return f"metric {key!r} must be a finite number >= 0, got {metrics[key]!r}"
     return None

@@ -46,6 +46,7 @@ RUN_DEFAULTS = {
     "connect-timeout": 600,  # seconds to wait at the start for one SuperNode per client
     "client-dir": "",  # where clients keep their state when the node config has no state-dir
     "max-update-norm": 0.0,  # reject a client update whose norm exceeds this (see validate.py); 0: no bound
+    "max-update-ratio": 10.0,  # reject an update larger than this x the global model's norm (validate.py); 0: off
 }
 
 

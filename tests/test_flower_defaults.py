@@ -1,0 +1,152 @@
+"""Issue 20, item 4: the Flower server refuses a poisoned update by default (no processes:
+the strategy's `aggregate_train` on crafted replies)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from pflalign.config import build_config
+from pflalign.flower import validate, wire
+from pflalign.flower.strategy import MethodStrategy, RoundFailed
+from pflalign.methods import METHODS, method_class
+
+from test_engine import TINY
+
+LR, STEPS = 0.04, 2
+
+
+@pytest.fixture(scope="module")
+def w0(tiny_llama):
+    return tiny_llama.get_lora()
+
+
+def honest_round(lm, w0, method: str):
+    from pflalign.client import local_round
+    from pflalign.data import Example
+    from pflalign.prompts import collate_train, encode_train
+
+    tok = lm.tokenizer
+    rule = METHODS[method]()
+    batch = collate_train([encode_train(tok, Example("What is 1 plus 2?", "3"), 64)] * 2, tok.pad_token_id)
+    result = local_round(lm, rule, rule.init_client_state(w0), w0, rule.broadcast(w0, rule.init_server_state(w0)),
+                         [batch] * STEPS, LR, 0)
+    lm.set_lora(w0)
+    return rule, result
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_methods_honest_update_passes_the_default_checks(tiny_llama, w0, method):
+    rule, result = honest_round(tiny_llama, w0, method)
+    update = wire.unpack(RecordDict(wire.pack(wire.MESSAGE, result.message)), wire.MESSAGE, dtype=None)
+    assert validate.validate_update(update, validate.expected_message(rule, w0), 0.0,
+                                    {g: w0 for g in rule.weight_groups}, wire.RUN_DEFAULTS["max-update-ratio"],
+                                    LR * STEPS) is None
+
+
+def test_the_default_ratio_refuses_a_finite_1e30_update_and_a_huge_control_variate(tiny_llama, w0):
+    ratio = wire.RUN_DEFAULTS["max-update-ratio"]
+    assert ratio > 0  # on by default
+    for method, group in (("fedavg", "params"), ("scaffold", "delta_c")):
+        rule, result = honest_round(tiny_llama, w0, method)
+        expected, reference = validate.expected_message(rule, w0), {g: w0 for g in rule.weight_groups}
+        poisoned = {g: dict(ts) for g, ts in result.message.items()}
+        poisoned[group] = {n: (t * 1e30 if group != "params" else w0[n] + 1e30 * (t - w0[n]))
+                           for n, t in poisoned[group].items()}
+        reason = validate.validate_update(poisoned, expected, 0.0, reference, ratio, LR * STEPS)
+        assert reason is not None and "exceeds max-update-ratio=10" in reason, reason
+
+
+def test_an_all_zero_or_unchanged_update_is_refused(w0):
+    expected = validate.expected_message(METHODS["fedavg"](), w0)
+    reference = {"params": w0}
+    zeros = {"params": {n: torch.zeros_like(t) for n, t in w0.items()}}
+    assert validate.validate_update(zeros, expected, reference=reference, max_ratio=10) == "the update is all zeros"
+    same = {"params": {n: t.clone() for n, t in w0.items()}}
+    assert "unchanged" in validate.validate_update(same, expected, reference=reference, max_ratio=10)
+
+
+GOOD_METRICS = {"n-train": 4, "losses": [1.0, 0.5], "update-norm": 0.1, "model-norm": 4.0, "gsnr-mean": 0.2,
+                "gsnr-ratio": 1.1}
+
+
+@pytest.mark.parametrize("key,value,declared,needle", [
+    ("losses", [1.0, -0.5], None, "negative loss"),
+    ("update-norm", -1.0, None, "'update-norm' must be a finite number >= 0"),
+    ("model-norm", -1.0, None, "'model-norm' must be a finite number >= 0"),
+    ("gsnr-mean", -0.1, None, "'gsnr-mean' must be a finite number >= 0"),
+    ("gsnr-ratio", -2.0, None, "'gsnr-ratio' must be a finite number >= 0"),
+    ("n-train", 10**9, 4, "more than the 4 the client declared at the start"),
+])
+def test_bad_training_metrics_are_refused(key, value, declared, needle):
+    assert validate.validate_train_metrics(GOOD_METRICS, STEPS, 4) is None
+    reason = validate.validate_train_metrics({**GOOD_METRICS, key: value}, STEPS, declared)
+    assert reason is not None and needle in reason, reason
+
+
+def test_an_eval_reply_over_zero_test_examples_is_refused():
+    good = {"task": "sorting", "n-train": 4, "n-test": 2, "truncated": 0, "rouge-l-personalized": 10.0,
+            "rouge-l-global": 9.0}
+    assert validate.validate_eval_metrics(good) is None
+    assert "'n-test' is 0" in validate.validate_eval_metrics({**good, "n-test": 0})
+
+
+def test_an_array_record_the_method_did_not_ask_for_is_refused(w0):
+    expected = validate.expected_message(METHODS["fedavg"](), w0)
+    assert validate.validate_records(["message/params"], expected, wire.MESSAGE) is None
+    assert "unexpected ArrayRecord 'global'" in validate.validate_records(["message/params", "global"], expected,
+                                                                          wire.MESSAGE)
+
+
+# ---- the strategy: a poisoned client among honest ones ------------------------------------------
+def _strategy(tiny_llama, w0, min_clients=0):
+    cfg = build_config(None, {**json.loads(json.dumps(TINY)), "method": "fedavg", "lr": LR, "local_steps": STEPS,
+                              "data": {**TINY["data"], "clients": ["arithmetic", "sorting", "uppercase"]}})
+    strategy = MethodStrategy(method_class("fedavg")(), cfg, w0, experiment="t", min_clients=min_clients)
+    strategy.chosen = [0, 1, 2]
+    strategy.missing = {}
+    return strategy
+
+
+def _reply(message: dict, n_train: int = 4, extra_records: dict | None = None):
+    content = RecordDict({**wire.pack(wire.MESSAGE, message), **(extra_records or {}),
+                          "metrics": MetricRecord({**GOOD_METRICS, "n-train": n_train}),
+                          "info": ConfigRecord({"task": "x"})})
+    return SimpleNamespace(content=content, metadata=SimpleNamespace(src_node_id=77))
+
+
+def test_a_poisoned_client_is_rejected_by_default_and_the_round_goes_on(tiny_llama, w0, monkeypatch):
+    _, honest = honest_round(tiny_llama, w0, "fedavg")
+    good = honest.message
+    poisoned = {"params": {n: w0[n] + 1e30 * (t - w0[n]) for n, t in good["params"].items()}}
+    strategy = _strategy(tiny_llama, w0)
+    replies = {0: _reply(good), 1: _reply(poisoned), 2: _reply(good)}
+    monkeypatch.setattr(strategy, "_match", lambda _: (replies, {}))
+    strategy.aggregate_train(1, [])
+    assert list(strategy.rejected) == [1] and "max-update-ratio" in strategy.rejected[1]
+    assert [k for k, _ in strategy.results] == [0, 2]
+    assert all(torch.isfinite(t).all() and (t - w0[n]).abs().max() < 1 for n, t in strategy.global_params.items())
+
+    # next round: client 0 claims a larger n-train than it declared, client 2 sends an extra ArrayRecord
+    moved = {"params": {n: t + 1e-3 for n, t in good["params"].items()}}  # w^1 is `good` itself
+    replies = {0: _reply(moved, n_train=10**9), 1: _reply(moved),
+               2: _reply(moved, extra_records={"global": ArrayRecord()})}
+    strategy.aggregate_train(2, [])
+    assert sorted(strategy.rejected) == [0, 2] and [k for k, _ in strategy.results] == [1]
+    assert "declared at the start" in strategy.rejected[0] and "unexpected ArrayRecord" in strategy.rejected[2]
+
+
+def test_rejected_clients_do_not_count_toward_min_clients(tiny_llama, w0, monkeypatch):
+    _, honest = honest_round(tiny_llama, w0, "fedavg")
+    poisoned = {"params": {n: torch.zeros_like(t) for n, t in honest.message["params"].items()}}
+    strategy = _strategy(tiny_llama, w0, min_clients=3)
+    before = {n: t.clone() for n, t in strategy.global_params.items()}
+    monkeypatch.setattr(strategy, "_match", lambda _: ({0: _reply(honest.message), 1: _reply(poisoned),
+                                                        2: _reply(honest.message)}, {}))
+    with pytest.raises(RoundFailed, match="2 valid updates, fewer than min-clients=3.*all zeros"):
+        strategy.aggregate_train(1, [])
+    assert all(torch.equal(before[n], t) for n, t in strategy.global_params.items())  # nothing aggregated
