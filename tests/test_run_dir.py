@@ -68,7 +68,8 @@ def test_overwrite_failing_in_round_1_restores_the_old_run(capsys, finished, mon
 
     monkeypatch.setattr(Federation, "train", diverge)
     before = snapshot(finished)
-    _error(capsys, ["run", *TINY_SET, "--set", "method=fedprox", "--out", str(finished), "--overwrite"])
+    _error(capsys, ["run", *TINY_SET, "--set", "method=fedprox", "--out", str(finished), "--overwrite",
+                    "--no-progress"])  # the rounds bar is open when train() fails
     assert snapshot(finished) == before
 
 
