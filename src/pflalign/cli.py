@@ -82,7 +82,7 @@ def cmd_sweep(args) -> int:
 def cmd_report(args) -> int:
     from .report import write_report
 
-    print(write_report(Path(args.dir), Path(args.out), client=args.client))
+    print(write_report(Path(args.dir), Path(args.out), client=args.client, metric=args.metric))
     return 0
 
 
@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("dir", help="folder holding finished runs (e.g. a sweep's --out)")
     report.add_argument("--out", required=True, help="folder for report.md, tables and figures")
     report.add_argument("--client", metavar="TASK", help="client of the GSNR and loss figures (default: structure_to_text, else the first)")
+    report.add_argument("--metric", choices=("rouge_l", "exact_match"), default="rouge_l",
+                        help="the tables' score (default rouge_l; exact_match: normalised, for short-label tasks)")
     report.set_defaults(func=cmd_report)
 
     methods = sub.add_parser("methods", help="list the available methods")

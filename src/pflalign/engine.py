@@ -28,7 +28,7 @@ from .client import local_round
 from .data import ClientData
 from .data.load import load_federation
 from .errors import RunInterrupted, TrainingDiverged, UserError
-from .evaluate import generate, rouge_l
+from .evaluate import add_exact_match, generate, rouge_l
 from .methods import method_class
 from .methods.base import Method, Params, RoundContext, State, data_weights
 from .model import FederatedLM
@@ -345,6 +345,7 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         train_seconds = time.perf_counter() - tic
         tic = time.perf_counter()
         results, predictions = fed.evaluate()
+        add_exact_match(results, predictions)  # beside ROUGE-L, from the same outputs
         results["seconds_train_this_session"] = train_seconds
         results["seconds_eval"] = time.perf_counter() - tic
         results["memory_allocator"] = allocator.active()  # "mimalloc" under the pflalign command (allocator.py)
