@@ -1,4 +1,4 @@
-"""`pflalign` command line: run, sweep, report, methods, fetch-model.
+"""`pflalign` command line: run, sweep, report, methods, fetch-model; export, generate (commands.py).
 
 Bad input (a `UserError`) ends with one line on stderr and exit status 2.
 """
@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = sub.add_parser("fetch-model", help="download an embedded model into the cache")
     fetch.add_argument("name", nargs="?", default="smollm2-135m")
     fetch.set_defaults(func=cmd_fetch_model)
+
+    from .commands import register
+
+    register(sub)  # export, generate (commands.py)
     return parser
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import allocator, checkpoint as ckpt
+from . import allocator, checkpoint as ckpt, export
 from .base_cache import base_generations
 from .config import RunConfig, build_config, method_args, to_dict
 from .client import local_round
@@ -360,6 +360,8 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
     finally:
         metrics.close()
     ckpt.write_jsonl(out / ckpt.PREDICTIONS, predictions)
+    # the models as evaluated, as PEFT adapter folders (export.py)
+    export.write_run_adapters(out, cfg, fed.global_params, {c.data.task: fed._personalized(c) for c in fed.clients})
     ckpt.write_json(out / ckpt.RESULTS, results)  # last: its presence means "finished"
     return results
 
