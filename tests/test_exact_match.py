@@ -27,3 +27,19 @@ def test_add_exact_match_per_client_and_average():
     assert (a["exact_match_personalized"], a["exact_match_global"], a["exact_match_base"]) == (50.0, 50.0, None)
     assert (b["exact_match_personalized"], b["exact_match_global"]) == (100.0, 100.0)
     assert results["avg_exact_match_personalized"] == 75.0 and results["avg_exact_match_base"] is None
+
+
+def test_report_computes_exact_match_of_older_runs_from_their_predictions(tmp_path):
+    import json
+
+    from pflalign.report import Run, summarize, with_exact_match
+
+    preds = [{"task": "a", "reference": "Yes", "personalized": "yes.", "global": "no", "base": None},
+             {"task": "a", "reference": "No", "personalized": "maybe", "global": "no", "base": None}]
+    (tmp_path / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
+    results = {"clients": [{"task": "a", "rouge_l_personalized": 10.0}], "avg_rouge_l_personalized": 10.0}
+    run = with_exact_match(Run(tmp_path, "d", "fedavg", 0, results, {}, []))
+    assert run.results["clients"][0]["exact_match_personalized"] == 50.0
+    tasks, rows = summarize([run], "exact_match")
+    assert tasks == ["a"] and rows[0].cells == {"a": 50.0} and rows[0].avg == 50.0
+    assert summarize([run])[1][0].avg == 10.0

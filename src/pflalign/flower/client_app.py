@@ -47,7 +47,7 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from .. import checkpoint as ckpt
+from .. import checkpoint as ckpt, export
 from ..client import local_round
 from ..config import RunConfig, method_args
 from ..data.load import load_federation
@@ -203,4 +203,6 @@ def evaluate(msg: Message, context: Context) -> Message:
              **{label: outputs[label][j] for label in ("personalized", "global")},
              "base": outputs["base"][j] if "base" in outputs else None}
             for j, ex in enumerate(test)])
+        # this client's personalized model as evaluated, as a PEFT adapter folder: it stays on this node
+        export.write_adapters(folder / export.ADAPTERS, cfg, {client.data.task: personal}, {"method": cfg.method})
     return Message(RecordDict(reply), reply_to=msg)

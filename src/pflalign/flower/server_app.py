@@ -33,7 +33,7 @@ import torch
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from .. import checkpoint as ckpt
+from .. import checkpoint as ckpt, export
 from ..config import build_config, method_args, to_dict
 from ..engine import prepare_run_dir, summarize
 from ..errors import UserError
@@ -101,6 +101,7 @@ def run(grid: Grid, rc: dict) -> dict:
                           "clients are back, continue with --run-config 'resume=true' (same out)") from None
     finally:
         metrics.close()
+    export.write_run_adapters(out, cfg, strategy.global_params, {})  # the global adapter; the clients write theirs
     ckpt.write_json(out / ckpt.RESULTS, results)  # last: its presence means "finished"
     log.info("results: %s", out / ckpt.RESULTS)
     return results
