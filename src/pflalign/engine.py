@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import allocator, checkpoint as ckpt, export
+from . import allocator, checkpoint as ckpt, export, tensorboard
 from .base_cache import base_generations
 from .config import RunConfig, build_config, method_args, to_dict
 from .client import local_round
@@ -337,6 +337,7 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         out.mkdir(parents=True, exist_ok=True)
         ckpt.write_json(out / ckpt.CONFIG, to_dict(cfg))
         metrics = ckpt.MetricsLog(out / ckpt.METRICS, resume_offset=0)  # drop lines of a run that never checkpointed
+    metrics = tensorboard.wrap(metrics, cfg, out, {c.id: c.data.task for c in fed.clients})  # log.tensorboard
     tic = time.perf_counter()
     try:
         done = fed.train(out, start, metrics, stop_after)
