@@ -194,6 +194,10 @@ def test_generate_cli_bad_client_or_no_adapters_is_one_line_exit_2(tmp_path_fact
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "has no adapters" in err and "pflalign export" in err
     assert main(["generate", str(out), "hi"]) == 2
+    (bare / ckpt.RESULTS).unlink()  # unfinished (e.g. overwritten and interrupted): stale adapters are not used
+    shutil.copytree(out / ADAPTERS, bare / ADAPTERS)
+    assert main(["generate", str(bare), "--client", "sorting", "hi"]) == 2
+    assert "no finished run" in capsys.readouterr().err
 
 
 def test_exact_match_beside_rouge_l_and_report_metric(tmp_path_factory, tmp_path):

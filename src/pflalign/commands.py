@@ -63,6 +63,9 @@ def load_generator(run_dir: Path, client: str | None):
     run_dir = Path(run_dir)
     if not (run_dir / ckpt.CONFIG).exists():
         raise UserError(f"{run_dir} holds no run (no {ckpt.CONFIG})")
+    if not (run_dir / ckpt.RESULTS).exists():  # adapters/ of an earlier run may still be there: not these
+        raise UserError(f"{run_dir} holds no finished run (no {ckpt.RESULTS}); write the adapters of its "
+                        f"checkpoint with: pflalign export {run_dir} --out DIR")
     folders = run_adapter_folders(run_dir)
     if not folders:
         raise UserError(f"{run_dir} has no adapters (a run writes adapters/ when it finishes); "
