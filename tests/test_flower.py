@@ -46,7 +46,8 @@ def reference(tmp_path_factory):
             results = run_in_process(build_config(None, {**tiny(method), **over}), out, progress=False,
                                      stop_after=rounds)
             metrics = [json.loads(line) for line in (out / ckpt.METRICS).read_text().splitlines()]
-            cache[key] = {"results": results, "metrics": metrics, **ckpt.load_checkpoint(out / ckpt.CHECKPOINT)}
+            cache[key] = {"results": results, "metrics": metrics, "out": out,
+                          **ckpt.load_checkpoint(out / ckpt.CHECKPOINT)}
         return cache[key]
 
     return get
@@ -214,6 +215,16 @@ def assert_matches_in_process(out: Path, state_dirs: list[Path], ref: dict) -> N
     for k, state_dir in enumerate(state_dirs):
         assert_close(personalized(state_dir, results, k, 2), ref["clients"][k]["personalized"],
                      f"client {k} personalized adapter")
+    # the exported adapters: the global one by the ServerApp, each personalized one on its own node
+    from pflalign.export import ADAPTERS, read_adapter
+
+    assert_close(read_adapter(out / ADAPTERS / "global"), read_adapter(ref["out"] / ADAPTERS / "global"),
+                 "exported global adapter")
+    assert sorted(p.name for p in (out / ADAPTERS).iterdir()) == ["global"]
+    for k, state_dir in enumerate(state_dirs):
+        task = results["clients"][k]["task"]
+        mine = state_dir / results["flower"]["experiment"] / f"client-{k}" / ADAPTERS / task
+        assert_close(read_adapter(mine), read_adapter(ref["out"] / ADAPTERS / task), f"client {k} exported adapter")
     assert [(c["id"], c["task"], c["n_train"], c["n_test"]) for c in results["clients"]] == \
         [(c["id"], c["task"], c["n_train"], c["n_test"]) for c in ref["results"]["clients"]]
     for mine, theirs in zip(results["clients"], ref["results"]["clients"]):

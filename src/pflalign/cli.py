@@ -1,4 +1,4 @@
-"""`pflalign` command line: run, sweep, report, methods, fetch-model.
+"""`pflalign` command line: run, sweep, report, methods, fetch-model; export, generate (commands.py).
 
 Bad input (a `UserError`) ends with one line on stderr and exit status 2.
 """
@@ -87,7 +87,7 @@ def cmd_sweep(args) -> int:
 def cmd_report(args) -> int:
     from .report import write_report
 
-    print(write_report(Path(args.dir), Path(args.out), client=args.client))
+    print(write_report(Path(args.dir), Path(args.out), client=args.client, metric=args.metric))
     return 0
 
 
@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("dir", help="folder holding finished runs (e.g. a sweep's --out)")
     report.add_argument("--out", required=True, help="folder for report.md, tables and figures")
     report.add_argument("--client", metavar="TASK", help="client of the GSNR and loss figures (default: structure_to_text, else the first)")
+    report.add_argument("--metric", choices=("rouge_l", "exact_match"), default="rouge_l",
+                        help="the tables' score (default rouge_l; exact_match: normalised, for short-label tasks)")
     report.set_defaults(func=cmd_report)
 
     methods = sub.add_parser("methods", help="list the available methods")
@@ -153,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = sub.add_parser("fetch-model", help="download an embedded model into the cache")
     fetch.add_argument("name", nargs="?", default="smollm2-135m")
     fetch.set_defaults(func=cmd_fetch_model)
+
+    from .commands import register
+
+    register(sub)  # export, generate (commands.py)
     return parser
 
 

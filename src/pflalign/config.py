@@ -54,6 +54,11 @@ class EvalConfig:
 
 
 @dataclass
+class LogConfig:
+    tensorboard: bool = False  # also log per-round scalars to <out>/tensorboard (extra: pflalign[tensorboard])
+
+
+@dataclass
 class RunConfig:
     method: str = "pflalign"
     method_args: dict = field(default_factory=dict)
@@ -61,6 +66,7 @@ class RunConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     rounds: int = 50
     local_steps: int = 5
     batch_size: int = 4
@@ -246,6 +252,10 @@ def validate(cfg: RunConfig) -> None:
         if value is not None and value <= 0:
             raise UserError(f"{name} must be > 0, got {value}")
     check_values(cfg)
+    if cfg.log.tensorboard:
+        from .tensorboard import check
+
+        check(cfg)  # the optional extra is there
     method_args(cfg)  # unknown method or hyperparameter fails here, before any work
 
 

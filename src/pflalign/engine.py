@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import allocator, run_dir
+from . import allocator, export, run_dir, tensorboard
 from .client import Client, make_client, score_client, train_client
 from .config import RunConfig, make_method
 from .errors import RunInterrupted, TrainingDiverged, UserError
+from .evaluate import add_exact_match
 from .lifecycle import Recorder, RoundRecord, client_row, results_summary, sample_clients
 from .methods.base import Method, Params, RoundContext, data_weights
 from .model import build_model
@@ -171,6 +172,7 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
     fed = Federation(cfg, progress=progress)
     start = fed.restore(rec.checkpoint) if rec.resuming else 0
     rec.open(cfg)
+    rec.metrics = tensorboard.wrap(rec.metrics, cfg, rec.out, {c.id: c.name for c in fed.clients})  # log.tensorboard
     end = cfg.rounds if stop_after is None else min(cfg.rounds, start + stop_after)
     rounds_bar = tqdm(range(start, end), initial=start, total=cfg.rounds, desc="rounds",
                       disable=not progress, unit="round")
@@ -190,6 +192,9 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
             return None
         train_seconds, tic = time.perf_counter() - tic, time.perf_counter()
         results, predictions = fed.evaluate()
+        add_exact_match(results, predictions)  # beside ROUGE-L, from the same outputs
+        # the models as evaluated, as PEFT adapter folders (export.py), before results.json marks the run finished
+        export.write_run_adapters(rec.out, cfg, fed.global_params, {c.name: fed._personalized(c) for c in fed.clients})
         # memory_allocator: "mimalloc" under the pflalign command (allocator.py)
         return rec.finish(results, train_seconds, time.perf_counter() - tic, predictions,
                           memory_allocator=allocator.active())

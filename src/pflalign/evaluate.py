@@ -100,3 +100,41 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
         bar.update(len(chunk))
     bar.close()
     return outputs
+
+
+# ---- exact match -------------------------------------------------------------
+def normalize_answer(text: str) -> str:
+    """Case folded, punctuation removed (ASCII punctuation and Unicode's P* categories, as
+    SQuAD's normalisation without its article rule), whitespace runs collapsed to one space."""
+    import string
+    import unicodedata
+
+    kept = (ch for ch in text.casefold() if ch not in string.punctuation and not unicodedata.category(ch).startswith("P"))
+    return " ".join("".join(kept).split())
+
+
+def exact_match(predictions: list[str], references: list[str]) -> float:
+    """Share ×100 of predictions equal to their reference after `normalize_answer` (0 for none).
+    The usual measure for FLAN's short-label tasks (entailment, paraphrase, coreference)."""
+    if not predictions:
+        return 0.0
+    hits = sum(normalize_answer(p) == normalize_answer(r) for p, r in zip(predictions, references))
+    return 100.0 * hits / len(predictions)
+
+
+def add_exact_match(results: dict, predictions: list[dict]) -> dict:
+    """Add exact match next to ROUGE-L in `results` (results.json's dict), computed from the
+    run's prediction rows (predictions.jsonl): per client ``exact_match_{personalized,global,base}``
+    and their client averages ``avg_exact_match_*``; a model without outputs (base switched
+    off) gets None. Existing keys are left as they are."""
+    kinds = ("personalized", "global", "base")
+    for row in results["clients"]:
+        mine = [p for p in predictions if p["task"] == row["task"]]
+        for kind in kinds:
+            outputs = [p[kind] for p in mine]
+            row[f"exact_match_{kind}"] = (None if not mine or any(o is None for o in outputs)
+                                          else exact_match(outputs, [p["reference"] for p in mine]))
+    for kind in kinds:
+        values = [r[f"exact_match_{kind}"] for r in results["clients"] if r[f"exact_match_{kind}"] is not None]
+        results[f"avg_exact_match_{kind}"] = sum(values) / len(values) if values else None
+    return results

@@ -208,17 +208,42 @@ class Row:
         self.family = family(self.method)
 
 
-def summarize(runs: list[Run]) -> tuple[list[str], list[Row]]:
-    """One dataset's runs → (client columns by task, rows in table order)."""
+METRICS = {"rouge_l": "ROUGE-L", "exact_match": "exact match"}
+
+
+def with_exact_match(run: Run) -> Run:
+    """`run` with exact match in its results, computed from its predictions.jsonl when results.json
+    predates it (in memory only; a run without predictions keeps None)."""
+    if "avg_exact_match_personalized" in run.results:
+        return run
+    from .evaluate import add_exact_match
+
+    path = run.path / ckpt.PREDICTIONS
+    if path.exists():
+        add_exact_match(run.results, [json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+    else:
+        for c in run.results["clients"]:
+            c["exact_match_personalized"] = None
+        run.results["avg_exact_match_personalized"] = None
+    return run
+
+
+def summarize(runs: list[Run], metric: str = "rouge_l") -> tuple[list[str], list[Row]]:
+    """One dataset's runs → (client columns by task, rows in table order); cells are the
+    personalized `metric` (rouge_l or exact_match)."""
     tasks: list[str] = []
     for r in runs:
         tasks += [t for t in r.tasks if t not in tasks]
     rows = []
     for method in method_order(r.method for r in runs):
         mine = [r for r in runs if r.method == method]
-        per_task = {t: [c["rouge_l_personalized"] for r in mine for c in r.results["clients"] if c["task"] == t]
+        per_task = {t: [c[f"{metric}_personalized"] for r in mine for c in r.results["clients"]
+                        if c["task"] == t and c.get(f"{metric}_personalized") is not None]
                     for t in tasks}
-        avgs = [r.results["avg_rouge_l_personalized"] for r in mine]
+        avgs = [r.results[f"avg_{metric}_personalized"] for r in mine
+                if r.results.get(f"avg_{metric}_personalized") is not None]
+        if not avgs:
+            continue
         rows.append(Row(
             method, sorted(r.seed for r in mine),
             {t: statistics.fmean(v) for t, v in per_task.items() if v},
@@ -299,11 +324,11 @@ def cost_markdown(runs: list[Run]) -> str:
 REFERENCE = "pflalign"
 
 
-def _score(run: Run, task: str | None) -> float | None:
-    """A run's personalized ROUGE-L on one client (by task), or its client average (task None)."""
+def _score(run: Run, task: str | None, metric: str = "rouge_l") -> float | None:
+    """A run's personalized `metric` on one client (by task), or its client average (task None)."""
     if task is None:
-        return run.results["avg_rouge_l_personalized"]
-    return next((c["rouge_l_personalized"] for c in run.results["clients"] if c["task"] == task), None)
+        return run.results.get(f"avg_{metric}_personalized")
+    return next((c.get(f"{metric}_personalized") for c in run.results["clients"] if c["task"] == task), None)
 
 
 @dataclass
@@ -321,7 +346,8 @@ class Paired:
         return ci95_half_width(self.diffs.get(task, []))
 
 
-def paired_differences(tasks: list[str], runs: list[Run], reference: str = REFERENCE) -> list[Paired]:
+def paired_differences(tasks: list[str], runs: list[Run], reference: str = REFERENCE,
+                       metric: str = "rouge_l") -> list[Paired]:
     """For each other method, `reference` − method per seed (the seeds share the data split and the
     initial adapter, so the differences are paired), per client and on the client average."""
     ref = {r.seed: r for r in runs if r.method == reference}
@@ -335,7 +361,7 @@ def paired_differences(tasks: list[str], runs: list[Run], reference: str = REFER
             continue
         diffs: dict[str | None, list[float]] = {}
         for task in [*tasks, None]:
-            values = [(_score(a, task), _score(b, task)) for a, b in pairs]
+            values = [(_score(a, task, metric), _score(b, task, metric)) for a, b in pairs]
             if all(x is not None and y is not None for x, y in values):
                 diffs[task] = [x - y for x, y in values]
         out.append(Paired(method, [b.seed for _, b in pairs], diffs))
@@ -393,8 +419,12 @@ def dynamics_markdown(runs: list[Run]) -> str:
 
 
 # ---- the report -------------------------------------------------------------
-def write_report(root: Path | str, out: Path | str, client: str | None = None) -> Path:
-    """Tables and figures for every dataset under `root` into `out`; returns report.md."""
+def write_report(root: Path | str, out: Path | str, client: str | None = None, metric: str = "rouge_l") -> Path:
+    """Tables and figures for every dataset under `root` into `out`; returns report.md. The tables
+    and paired differences show `metric` (rouge_l or exact_match); the figures are ROUGE-L."""
+    if metric not in METRICS:
+        raise UserError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+    name = METRICS[metric]
     from .figures import write_figures  # figures read the rows this module computes
 
     root, out = Path(root), Path(out)
@@ -406,29 +436,32 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None) -
     if not runs:
         left = f"; left out: {len(notes)} ({notes[0]}{', ...' if len(notes) > 1 else ''})" if notes else ""
         raise UserError(f"no finished runs (results.json + metrics.jsonl + config.json) under {root}{left}")
+    if metric == "exact_match":
+        runs = [with_exact_match(r) for r in runs]
     lines = ["# pflalign report", "", f"{len(runs)} finished runs under `{root}`.", ""]
     for dataset in sorted({r.dataset for r in runs}):
         mine = [r for r in runs if r.dataset == dataset]
         folder = out / dataset
         folder.mkdir(parents=True, exist_ok=True)
-        tasks, rows = summarize(mine)
+        tasks, rows = summarize(mine, metric)
         table = table_markdown(tasks, rows)
         (folder / "table.md").write_text(table)
         write_table_csv(folder / "table.csv", tasks, rows)
         lines += [f"## {dataset}", "",
-                  f"Personalized ROUGE-L ×100, {_seed_note(rows)}; Avg ± 95% CI half-width (Student's t over "
+                  f"Personalized {name} ×100, {_seed_note(rows)}; Avg ± 95% CI half-width (Student's t over "
                   f"seeds). Best per column **bold**, second <u>underlined</u>. "
                   f"[table.md]({dataset}/table.md) · [table.csv]({dataset}/table.csv)", "", table]
-        figures, skipped = write_figures(mine, tasks, rows, folder, client)
+        rouge_rows = rows if metric == "rouge_l" else summarize(mine)[1]
+        figures, skipped = write_figures(mine, tasks, rouge_rows, folder, client)
         for title, name in figures:
             lines += [f"### {title}", "", f"![{title}]({dataset}/{name})", ""]
         if skipped:
             lines += ["Notes on the figures:", ""] + [f"- {s}" for s in skipped] + [""]
-        paired = paired_differences(tasks, mine)
+        paired = paired_differences(tasks, mine, metric=metric)
         if paired:
             lines += ["### Paired differences", "",
                       f"{label(REFERENCE)} minus each baseline, seed by seed (the seeds share data splits), "
-                      "in ROUGE-L ×100: mean ± paired 95% CI half-width (Student's t over the seeds both "
+                      f"in {name} ×100: mean ± paired 95% CI half-width (Student's t over the seeds both "
                       "ran); * where the interval excludes 0.", "", paired_markdown(tasks, paired)]
         lines += ["### Training dynamics", "",
                   "Aggregation consistency Σ_k p_k ‖w_k − w^r‖ (lower: the clients' updates agree more) and the "

@@ -47,7 +47,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from .. import checkpoint as ckpt
+from .. import checkpoint as ckpt, export
 from ..client import Client, make_client, score_client, train_client
 from ..config import RunConfig, make_method
 from ..errors import UserError
@@ -197,4 +197,6 @@ def evaluate(msg: Message, context: Context) -> Message:
              **{label: outputs[label][j] for label in ("personalized", "global")},
              "base": outputs["base"][j] if "base" in outputs else None}
             for j, ex in enumerate(test)])
+        # this client's personalized model as evaluated, as a PEFT adapter folder: it stays on this node
+        export.write_adapters(folder / export.ADAPTERS, cfg, {client.name: personal}, {"method": cfg.method})
     return Message(RecordDict(reply), reply_to=msg)

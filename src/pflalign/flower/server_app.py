@@ -32,7 +32,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from .. import checkpoint as ckpt, run_dir
+from .. import checkpoint as ckpt, export, run_dir
 from ..config import make_method
 from ..errors import UserError
 from ..lifecycle import Recorder, client_row, results_summary
@@ -89,6 +89,7 @@ def run(grid: Grid, rc: dict) -> dict:
                   lambda r: round_eval(grid, strategy, r, timeout, rec), lambda: checkpoint(strategy), after)
         train_seconds, tic = time.perf_counter() - tic, time.perf_counter()
         results = evaluate(grid, strategy, timeout)
+        export.write_run_adapters(rec.out, cfg, strategy.global_params, {})  # the global adapter; the clients write theirs
         results = rec.finish(results, train_seconds, time.perf_counter() - tic)
     except RoundFailed as exc:
         raise RoundFailed(f"{str(exc).rstrip('.')}. The checkpoint after round {rec.saved[0]} is in {rec.out}; once "

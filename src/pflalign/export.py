@@ -1,0 +1,266 @@
+"""A run's models in the formats other tools load: PEFT adapter folders and merged models.
+
+Every finished run writes ``adapters/global/`` and ``adapters/<client>/`` into its
+folder (`write_run_adapters`); ``pflalign export`` writes the same, or full merged
+Hugging Face model folders, from any finished or checkpointed run (`export_run`).
+
+An adapter folder is what ``peft.PeftModel.from_pretrained(base, folder)`` loads:
+
+* ``adapter_config.json``: PEFT's `LoraConfig` (base model, r, lora_alpha, the
+  target modules by name, task type CAUSAL_LM);
+* ``adapter_model.safetensors``: the LoRA tensors under PEFT's names (ours
+  without the adapter name ``.default``);
+* ``pflalign.json``: what pflalign knows besides (run, method, client, model spec).
+
+A client's adapter is its personalized model exactly as the run evaluated it:
+``method.personalized_after_aggregation(global, personalized, state)`` with the
+newest global adapter (FedSA-LoRA: the aggregated A with the client's own B), or
+the global adapter for a client that never trained.
+
+``base_model_name_or_path`` is the location the run loaded its base model from:
+a hub id or model folder as given, the ``.gguf`` file for a GGUF model (the
+embedded ``smollm2-135m`` too; load it with ``gguf_file=``, see docs/usage.md, or
+write a safetensors copy once with ``pflalign export --base-copy``), and the
+name ``tiny-llama`` / ``tiny-opt`` for the random test models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+
+ADAPTERS = "adapters"
+GLOBAL = "global"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+INFO = "pflalign.json"
+
+
+# ---- names -------------------------------------------------------------------
+def folder_name(client: str) -> str:
+    """A client name as a folder name: letters, digits, ``-_.`` kept, anything else ``_``;
+    never empty, hidden, ``global`` or a path."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", client).strip(".") or "_"
+    return f"client_{name}" if name == GLOBAL else name
+
+
+def folder_names(names) -> dict[str, str]:
+    """{name: folder} for "global" and the clients, every folder distinct (a clash after
+    `folder_name` gets a numbered suffix)."""
+    out, used = {}, set()
+    for name in names:
+        sub = GLOBAL if name == GLOBAL else folder_name(name)
+        base, k = sub, 1
+        while sub in used:
+            k += 1
+            sub = f"{base}-{k}"
+        used.add(sub)
+        out[name] = sub
+    return out
+
+
+def peft_key(name: str) -> str:
+    """Our live parameter name → PEFT's saved name (the adapter name ``default`` dropped)."""
+    return name.replace(".default.", ".")
+
+
+def target_modules(params: dict) -> list[str]:
+    """The adapted projections by their last name (``q_proj``, ``fc1``, ...), as PEFT matches them."""
+    return sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in params if ".lora_" in n})
+
+
+def base_location(spec: str) -> str:
+    """Where the base model of `spec` is loaded from (see the module docstring)."""
+    from .model import EMBEDDED_MODELS, embedded_model_path
+
+    if spec in EMBEDDED_MODELS:
+        return str(embedded_model_path(spec))
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec
+
+
+# ---- one adapter folder ---------------------------------------------------------
+def write_adapter(folder: Path, params: dict, lora, model_spec: str, info: dict | None = None) -> Path:
+    """Write `params` (our LoRA tensors by live name) as a PEFT adapter folder."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target_modules(params),
+        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_location(model_spec),
+    )
+    config.save_pretrained(str(folder))
+    tensors = {peft_key(n): t.detach().to("cpu", copy=True).contiguous() for n, t in params.items()}
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (folder / INFO).write_text(json.dumps({"model": model_spec, **(info or {})}, indent=2) + "\n")
+    return folder
+
+
+def read_adapter(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of an adapter folder under our live names (the inverse of `write_adapter`)."""
+    from safetensors.torch import load_file
+
+    return {n.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): t
+            for n, t in load_file(str(Path(folder) / ADAPTER_WEIGHTS)).items()}
+
+
+# ---- a run's adapters -------------------------------------------------------------
+def run_adapters(cfg, payload: dict, clients: list[str]) -> dict[str, dict]:
+    """{"global": w, client name: its personalized adapter as evaluated} from a run checkpoint."""
+    from .config import method_args
+    from .methods import method_class
+
+    method = method_class(cfg.method)(method_args(cfg))
+    global_params = payload["global"]
+    if "clients" not in payload:  # a Flower run: the personalized models stay on the clients' nodes
+        return {GLOBAL: global_params}
+    if len(payload["clients"]) != len(clients):
+        raise UserError(f"the checkpoint holds {len(payload['clients'])} clients, the run names {len(clients)}")
+    out = {GLOBAL: global_params}
+    for name, saved in zip(clients, payload["clients"]):
+        personal = saved["personalized"]
+        out[name] = global_params if personal is None else \
+            method.personalized_after_aggregation(global_params, personal, saved["state"])
+    return out
+
+
+def write_adapters(folder: Path, cfg, adapters: dict[str, dict], info: dict | None = None) -> dict[str, Path]:
+    """Each of `adapters` ({name: params}, "global" among them) as ``folder/<name>/``, replacing
+    what was there: written beside it first, so a crash leaves the old folder or the new one."""
+    folder = Path(folder)
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    written, subs = {}, folder_names(adapters)
+    for name, params in adapters.items():
+        sub = subs[name]
+        extra = {"client": None if name == GLOBAL else name, **(info or {})}
+        write_adapter(tmp / sub, params, cfg.lora, cfg.model, extra)
+        written[name] = folder / sub
+    old = folder.with_name(f".{folder.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return written
+
+
+def write_run_adapters(out: Path, cfg, global_params: dict, personalized: dict[str, dict]) -> dict[str, Path]:
+    """The engine's call when a run finishes: ``out/adapters/{global,<client>}``;
+    `personalized` maps client names to their adapters as evaluated."""
+    info = {"method": cfg.method, "dataset": cfg.data.name, "seed": cfg.seed, "rounds": cfg.rounds}
+    return write_adapters(Path(out) / ADAPTERS, cfg, {GLOBAL: global_params, **personalized}, info)
+
+
+def client_names(out: Path, cfg) -> list[str]:
+    """The run's clients in order: from results.json when the run finished, else from its data config."""
+    from . import checkpoint as ckpt
+
+    results = Path(out) / ckpt.RESULTS
+    if results.exists():
+        return [c["task"] for c in json.loads(results.read_text())["clients"]]
+    if cfg.data.clients is not None:
+        return list(cfg.data.clients)
+    from .data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
+    from .data.synthetic import SYNTHETIC_TASKS
+
+    return list({"synthetic": SYNTHETIC_TASKS, "dolly": DOLLY_PAPER_CATEGORIES,
+                 "flan": FLAN_PAPER_CATEGORIES}[cfg.data.name])
+
+
+def load_run(out: Path):
+    """(config, checkpoint payload, client names) of a finished or checkpointed run."""
+    from . import checkpoint as ckpt
+    from .config import build_config
+
+    out = Path(out)
+    if not (out / ckpt.CONFIG).exists():
+        raise UserError(f"{out} holds no run (no {ckpt.CONFIG})")
+    if not ckpt.has_run_checkpoint(out):
+        raise UserError(f"{out} has no checkpoint to export from")
+    cfg = build_config(None, json.loads((out / ckpt.CONFIG).read_text()))
+    return cfg, ckpt.load_run_checkpoint(out), client_names(out, cfg)
+
+
+# ---- merged models ------------------------------------------------------------------
+def write_merged(folder: Path, model_spec: str, adapter_folder: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A full Hugging Face model folder (safetensors, tokenizer, generation config) with the
+    adapter in `adapter_folder` folded into the base weights (``merge_and_unload``): loadable
+    with ``AutoModelForCausalLM.from_pretrained(folder)`` alone."""
+    import warnings
+
+    from peft import PeftModel
+
+    from .model import load_base_model
+
+    base, tokenizer = load_base_model(model_spec, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = PeftModel.from_pretrained(base, str(adapter_folder)).merge_and_unload()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    tokenizer.save_pretrained(str(folder))
+    model.generation_config.save_pretrained(str(folder))
+    return folder
+
+
+def write_base_copy(model_spec: str, folder: Path) -> Path:
+    """The base model of `model_spec` (e.g. the embedded GGUF) as a safetensors model folder, once."""
+    from .model import load_base_model
+
+    folder = Path(folder)
+    if (folder / "config.json").exists():
+        return folder
+    model, tokenizer = load_base_model(model_spec)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    tokenizer.save_pretrained(str(folder))
+    model.generation_config.save_pretrained(str(folder))
+    return folder
+
+
+def export_run(run_dir: Path, out: Path, client: str | None = None, merged: bool = False) -> dict[str, Path]:
+    """`pflalign export`: the run's adapters (or merged models) under `out`: ``global/`` and one
+    folder per client (only `client` when given). Returns {name: folder}."""
+    cfg, payload, names = load_run(run_dir)
+    if client is not None and client not in names:
+        raise UserError(f"no client {client!r} in {run_dir}; clients: {', '.join(names)}")
+    adapters = run_adapters(cfg, payload, names)
+    if client is not None and client not in adapters:
+        raise UserError(f"{run_dir} is a Flower run: client {client!r}'s personalized adapter is on its own "
+                        "node (adapters/ in its state folder)")
+    if client is not None:
+        adapters = {client: adapters[client]}
+    info = {"method": cfg.method, "dataset": cfg.data.name, "seed": cfg.seed,
+            "rounds": cfg.rounds, "rounds_done": payload["rounds_done"], "run": str(Path(run_dir).resolve())}
+    out = Path(out)
+    if not merged:
+        out.mkdir(parents=True, exist_ok=True)
+        written, subs = {}, folder_names(adapters)
+        for name, params in adapters.items():
+            sub = subs[name]
+            written[name] = write_adapter(out / sub, params, cfg.lora, cfg.model,
+                                          {"client": None if name == GLOBAL else name, **info})
+        return written
+    import tempfile
+
+    written, subs = {}, folder_names(adapters)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, params in adapters.items():
+            sub = subs[name]
+            adapter = write_adapter(Path(tmp) / sub, params, cfg.lora, cfg.model)
+            written[name] = write_merged(out / sub, cfg.model, adapter, getattr(torch, cfg.dtype))
+            (out / sub / INFO).write_text(json.dumps(
+                {"model": cfg.model, "client": None if name == GLOBAL else name, "merged": True, **info},
+                indent=2) + "\n")
+    return written

@@ -1,0 +1,107 @@
+"""Optional TensorBoard logging (``--set log.tensorboard=true``, extra ``pflalign[tensorboard]``).
+
+`wrap` puts a tee in front of the run's `MetricsLog`: every line still goes to
+metrics.jsonl unchanged, and the per-round numbers also go to TensorBoard event
+files in ``<run>/tensorboard/``, with the round (1-based) as the step:
+
+* ``loss/mean`` and ``consistency/update_norm``, ``consistency/model_norm`` (``round`` lines);
+* ``loss/<client>`` (the mean of its local steps), ``gsnr/mean/<client>``, ``gsnr/ratio/<client>``
+  (``client_round`` lines);
+* ``rouge_l/{personalized,global}/<client>`` (``round_eval`` lines, with ``eval.every``);
+* ``final/<avg key>`` at the last round (the ``eval`` line).
+
+``tensorboard --logdir runs/`` then shows a 50-round run as it goes. A resumed
+run writes a new event file; TensorBoard shows the newest value of a step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import UserError
+
+FOLDER = "tensorboard"
+
+
+def available() -> bool:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class TensorBoardTee:
+    """A `MetricsLog` that also writes scalars to TensorBoard (see the module docstring)."""
+
+    def __init__(self, metrics, folder: Path, names: dict[int, str] | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._metrics = metrics
+        self._writer = SummaryWriter(log_dir=str(folder))
+        self._names = names or {}
+        self._losses: dict[tuple[int, int], list[float]] = {}
+        self._last_round = 0
+
+    def _name(self, client) -> str:
+        return self._names.get(client, f"client{client}")
+
+    def _scalar(self, tag: str, value, step: int) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            self._writer.add_scalar(tag, value, step)
+
+    def write(self, **row) -> None:
+        self._metrics.write(**row)
+        event = row.get("event")
+        if event == "train_step":
+            self._losses.setdefault((row["round"], row["client"]), []).append(row["loss"])
+            return
+        if event == "eval":
+            for key, value in row.items():
+                if key.startswith("avg_"):
+                    self._scalar(f"final/{key}", value, self._last_round)
+            return
+        if "round" not in row:
+            return
+        step = row["round"] + 1
+        self._last_round = max(self._last_round, step)
+        if event == "round":
+            self._scalar("loss/mean", row.get("mean_loss"), step)
+            self._scalar("consistency/update_norm", row.get("consistency_update_norm"), step)
+            self._scalar("consistency/model_norm", row.get("consistency_model_norm"), step)
+        elif event == "client_round":
+            name = self._name(row["client"])
+            losses = self._losses.pop((row["round"], row["client"]), [])
+            if losses:
+                self._scalar(f"loss/{name}", sum(losses) / len(losses), step)
+            self._scalar(f"gsnr/mean/{name}", row.get("gsnr_mean"), step)
+            self._scalar(f"gsnr/ratio/{name}", row.get("gsnr_ratio"), step)
+        elif event == "round_eval":
+            name = row.get("task") or self._name(row["client"])
+            self._scalar(f"rouge_l/personalized/{name}", row.get("rouge_l_personalized"), step)
+            self._scalar(f"rouge_l/global/{name}", row.get("rouge_l_global"), step)
+
+    def commit(self) -> int:
+        self._writer.flush()
+        return self._metrics.commit()
+
+    def rollback(self, offset: int) -> None:
+        self._metrics.rollback(offset)
+
+    def close(self) -> None:
+        self._writer.close()
+        self._metrics.close()
+
+
+def check(cfg) -> None:
+    """Fail early when TensorBoard logging is asked for without its package."""
+    if getattr(getattr(cfg, "log", None), "tensorboard", False) and not available():
+        raise UserError("log.tensorboard=true needs TensorBoard: pip install 'pflalign[tensorboard]'")
+
+
+def wrap(metrics, cfg, out: Path, names: dict[int, str] | None = None):
+    """`metrics` as it is, or teed to TensorBoard when ``log.tensorboard`` is on."""
+    if not getattr(getattr(cfg, "log", None), "tensorboard", False):
+        return metrics
+    check(cfg)
+    return TensorBoardTee(metrics, Path(out) / FOLDER, names)

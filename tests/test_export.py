@@ -1,0 +1,219 @@
+"""Export: a run's models as PEFT adapter folders (and merged models) that plain
+transformers + PEFT load and that generate what the run evaluated."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pflalign import checkpoint as ckpt
+from pflalign.config import build_config
+from pflalign.engine import run
+from pflalign.export import ADAPTERS, export_run, read_adapter, run_adapters
+
+CLIENTS = ["arithmetic", "sorting"]
+# tiny-opt: its random outputs differ from prompt to prompt and between adapters (tiny-llama's
+# tied embeddings echo the last prompt token, a special one: every output decodes to "")
+TINY = {
+    "model": "tiny-opt", "lora": {"r": 4, "alpha": 8},
+    "data": {"name": "synthetic", "clients": CLIENTS, "max_train": 12, "max_test": 4},
+    "rounds": 2, "local_steps": 5, "batch_size": 2, "max_seq_len": 96, "lr": 0.3,
+    "eval": {"max_new_tokens": 12, "batch_size": 4, "base_model": False},
+}
+METHODS = ["pflalign", "fedsa-lora", "fedsvd"]
+OPT_PROMPT = "### Instruction:\n{prompt}\n\n### Response:\n"  # the training prompt format of a model without a chat template
+
+
+_RUNS: dict = {}
+
+
+def _finished(method: str, tmp_path_factory):
+    """A finished tiny run of `method`, made once per test session."""
+    if method not in _RUNS:
+        out = tmp_path_factory.mktemp(method) / "run"
+        cfg = build_config(None, {**json.loads(json.dumps(TINY)), "method": method})
+        run(cfg, out, progress=False)
+        _RUNS[method] = out
+    return _RUNS[method]
+
+
+@pytest.fixture(params=METHODS)
+def finished(request, tmp_path_factory):
+    return request.param, _finished(request.param, tmp_path_factory)
+
+
+def _plain_peft_outputs(adapter_dir, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """Greedy outputs of base + adapter through transformers and PEFT only (the tiny base is
+    built in memory: it exists nowhere on disk)."""
+    from peft import PeftModel
+
+    from pflalign.model import load_base_model
+
+    base, tok = load_base_model("tiny-opt")
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = tok(OPT_PROMPT.format(prompt=prompt), return_tensors="pt")
+        with torch.no_grad():
+            gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        outputs.append(tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    return outputs
+
+
+def test_finished_run_writes_peft_adapters_equal_to_the_evaluated_models(finished):
+    method, out = finished
+    folder = out / ADAPTERS
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["global", *CLIENTS])
+    config = json.loads((folder / "sorting" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["task_type"]) == (4, 8, "CAUSAL_LM")
+    assert config["base_model_name_or_path"] == "tiny-opt"
+    assert sorted(config["target_modules"]) == ["fc1", "fc2", "k_proj", "out_proj", "q_proj", "v_proj"]
+    # the tensors are the method's personalized model after aggregation, from the checkpoint
+    cfg = build_config(None, json.loads((out / ckpt.CONFIG).read_text()))
+    payload = ckpt.load_run_checkpoint(out)
+    expected = run_adapters(cfg, payload, CLIENTS)
+    for name in ["global", *CLIENTS]:
+        got = read_adapter(folder / name)
+        assert got.keys() == expected[name].keys()
+        assert all(torch.equal(got[n], expected[name][n]) for n in got), name
+    if method == "fedsa-lora":  # the aggregated A with the client's own B, not its local model
+        own = payload["clients"][0]["personalized"]
+        assert any(not torch.equal(expected["arithmetic"][n], own[n]) for n in own)
+
+
+def test_plain_peft_generates_the_runs_predictions(finished):
+    """The exported global adapter and two clients' adapters, loaded with PeftModel.from_pretrained,
+    give greedy outputs equal to predictions.jsonl for the same prompts."""
+    method, out = finished
+    preds = [json.loads(line) for line in (out / ckpt.PREDICTIONS).read_text().splitlines()]
+    max_new = TINY["eval"]["max_new_tokens"]
+    got = _plain_peft_outputs(out / ADAPTERS / "global", [p["prompt"] for p in preds], max_new)
+    assert got == [p["global"] for p in preds]
+    for client in CLIENTS:
+        mine = [p for p in preds if p["task"] == client]
+        got = _plain_peft_outputs(out / ADAPTERS / client, [p["prompt"] for p in mine], max_new)
+        assert got == [p["personalized"] for p in mine], client
+    # not vacuous: the personalized models generate something else than the global one
+    assert any(p["personalized"] != p["global"] for p in preds)
+    assert any(p["personalized"] for p in preds)
+
+
+def _predictions(out) -> list[dict]:
+    return [json.loads(line) for line in (out / ckpt.PREDICTIONS).read_text().splitlines()]
+
+
+def test_export_cli_writes_the_same_adapters_from_the_checkpoint(tmp_path_factory, tmp_path, capsys):
+    from pflalign.cli import main
+
+    out = _finished("fedsa-lora", tmp_path_factory)
+    assert main(["export", str(out), "--out", str(tmp_path / "all")]) == 0
+    assert main(["export", str(out), "--out", str(tmp_path / "one"), "--client", "sorting"]) == 0
+    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == ["arithmetic", "global", "sorting"]
+    assert [p.name for p in (tmp_path / "one").iterdir()] == ["sorting"]
+    for name in ["global", "arithmetic", "sorting"]:
+        a, b = read_adapter(out / ADAPTERS / name), read_adapter(tmp_path / "all" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    a, b = read_adapter(out / ADAPTERS / "sorting"), read_adapter(tmp_path / "one" / "sorting")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    capsys.readouterr()
+    assert main(["export", str(out), "--out", str(tmp_path / "x"), "--client", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no client 'nope'" in err and "arithmetic, sorting" in err and len(err.splitlines()) == 1
+    assert main(["export", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_export_merged_loads_with_transformers_alone_and_generates_the_predictions(tmp_path_factory, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pflalign.cli import main
+
+    out = _finished("fedsa-lora", tmp_path_factory)
+    assert main(["export", str(out), "--out", str(tmp_path), "--client", "arithmetic", "--merged"]) == 0
+    folder = tmp_path / "arithmetic"
+    assert (folder / "model.safetensors").exists() and (folder / "generation_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    mine = [p for p in _predictions(out) if p["task"] == "arithmetic"]
+    for p in mine:
+        ids = tok(OPT_PROMPT.format(prompt=p["prompt"]), return_tensors="pt")
+        with torch.no_grad():
+            gen = model.generate(**ids, max_new_tokens=TINY["eval"]["max_new_tokens"], do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        assert tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip() == p["personalized"]
+
+
+def test_an_interrupted_run_exports_from_its_checkpoint(tmp_path):
+    from pflalign.cli import main
+
+    cfg = build_config(None, {**json.loads(json.dumps(TINY)), "method": "fedsvd", "rounds": 3})
+    assert run(cfg, tmp_path / "run", stop_after=1, progress=False) is None
+    assert not (tmp_path / "run" / ADAPTERS).exists()
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x")]) == 0
+    payload = ckpt.load_run_checkpoint(tmp_path / "run")
+    expected = run_adapters(cfg, payload, CLIENTS)
+    got = read_adapter(tmp_path / "x" / "sorting")
+    assert all(torch.equal(got[n], expected["sorting"][n]) for n in got)
+    info = json.loads((tmp_path / "x" / "sorting" / "pflalign.json").read_text())
+    assert (info["client"], info["rounds_done"], info["method"]) == ("sorting", 1, "fedsvd")
+
+
+def test_generate_cli_streams_the_runs_greedy_answers(tmp_path_factory, capsys, monkeypatch):
+    import io
+
+    from pflalign.cli import main
+
+    out = _finished("fedsa-lora", tmp_path_factory)
+    preds = _predictions(out)
+    mine = [p for p in preds if p["task"] == "sorting"]
+    max_new = str(TINY["eval"]["max_new_tokens"])
+    assert main(["generate", str(out), "--client", "sorting", "--max-new-tokens", max_new, mine[0]["prompt"]]) == 0
+    assert capsys.readouterr().out.strip() == mine[0]["personalized"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(p["prompt"] + "\n" for p in preds[:2])))
+    assert main(["generate", str(out), "--global", "--max-new-tokens", max_new]) == 0
+    lines = capsys.readouterr().out.split("\n")
+    assert [line.strip() for line in lines[:2]] == [p["global"] for p in preds[:2]]
+    assert main(["generate", str(out), "--client", "sorting", "--temperature", "1.0", "--seed", "1",
+                 "--max-new-tokens", "3", "hello"]) == 0
+
+
+def test_generate_cli_bad_client_or_no_adapters_is_one_line_exit_2(tmp_path_factory, tmp_path, capsys):
+    import shutil
+
+    from pflalign.cli import main
+
+    out = _finished("fedsa-lora", tmp_path_factory)
+    assert main(["generate", str(out), "--client", "nope", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no client 'nope'" in err and "arithmetic, sorting" in err
+    bare = tmp_path / "bare"
+    shutil.copytree(out, bare, ignore=shutil.ignore_patterns(ADAPTERS))
+    assert main(["generate", str(bare), "--client", "sorting", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "has no adapters" in err and "pflalign export" in err
+    assert main(["generate", str(out), "hi"]) == 2
+    (bare / ckpt.RESULTS).unlink()  # unfinished (e.g. overwritten and interrupted): stale adapters are not used
+    shutil.copytree(out / ADAPTERS, bare / ADAPTERS)
+    assert main(["generate", str(bare), "--client", "sorting", "hi"]) == 2
+    assert "no finished run" in capsys.readouterr().err
+
+
+def test_exact_match_beside_rouge_l_and_report_metric(tmp_path_factory, tmp_path):
+    from pflalign.cli import main
+    from pflalign.evaluate import exact_match
+
+    out = _finished("fedsa-lora", tmp_path_factory)
+    results = json.loads((out / ckpt.RESULTS).read_text())
+    preds = _predictions(out)
+    for row in results["clients"]:
+        mine = [p for p in preds if p["task"] == row["task"]]
+        for kind in ("personalized", "global"):
+            assert row[f"exact_match_{kind}"] == exact_match([p[kind] for p in mine], [p["reference"] for p in mine])
+        assert row["exact_match_base"] is None  # eval.base_model is off
+        assert "rouge_l_personalized" in row
+    assert results["avg_exact_match_personalized"] == pytest.approx(
+        sum(r["exact_match_personalized"] for r in results["clients"]) / 2)
+    assert main(["report", str(out), "--out", str(tmp_path / "em"), "--metric", "exact_match"]) == 0
+    assert "Personalized exact match" in (tmp_path / "em" / "report.md").read_text()

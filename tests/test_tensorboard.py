@@ -1,0 +1,44 @@
+"""Optional TensorBoard logging: `log.tensorboard=true` tees the per-round numbers into event files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pflalign.config import build_config
+from pflalign.errors import UserError
+from pflalign import tensorboard
+
+TINY = {
+    "model": "tiny-llama", "lora": {"r": 4, "alpha": 8},
+    "data": {"name": "synthetic", "clients": ["arithmetic", "sorting"], "max_train": 8, "max_test": 2},
+    "rounds": 2, "local_steps": 2, "batch_size": 2, "max_seq_len": 96,
+    "eval": {"max_new_tokens": 4, "batch_size": 4, "base_model": False, "every": 1, "every_max_test": 1},
+    "log": {"tensorboard": True},
+}
+
+
+def test_off_by_default_and_a_missing_extra_is_one_clear_error(monkeypatch):
+    assert build_config(None, {}).log.tensorboard is False
+    monkeypatch.setattr(tensorboard, "available", lambda: False)
+    with pytest.raises(UserError, match=r"pip install 'pflalign\[tensorboard\]'"):
+        build_config(None, {"log": {"tensorboard": True}})
+
+
+def test_a_run_writes_the_per_round_scalars(tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pflalign.engine import run
+
+    run(build_config(None, json.loads(json.dumps(TINY))), tmp_path, progress=False)
+    events = EventAccumulator(str(tmp_path / tensorboard.FOLDER))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss/mean", "consistency/update_norm", "loss/arithmetic", "gsnr/ratio/sorting",
+            "rouge_l/personalized/arithmetic", "final/avg_rouge_l_personalized"} <= tags
+    rounds = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["mean_loss"] for m in rounds if m["event"] == "round"]
+    assert [e.step for e in events.Scalars("loss/mean")] == [1, 2]
+    assert [e.value for e in events.Scalars("loss/mean")] == pytest.approx(losses)
