@@ -22,14 +22,35 @@ from .model import LoraSettings
 
 
 @dataclass
+class DataColumns:
+    """data.name=files: which column of your data is what (pflalign.data.files)."""
+
+    instruction: str = "instruction"
+    response: str = "response"
+    context: str | None = None  # optional: appended to the instruction as "\n\nContext:\n..."
+
+
+@dataclass
 class DataConfig:
-    name: str = "synthetic"  # synthetic | dolly | flan
-    dir: str | None = None  # dolly: .jsonl file, folder or hub id; flan: FedDPA folder
+    name: str = "synthetic"  # synthetic | dolly | flan | files
+    dir: str | None = None  # dolly: .jsonl file, folder or hub id; flan: FedDPA folder; files: file, folder or hub id
     clients: list[str] | None = None  # categories, one client each; None: the paper's 4
     split_seed: int = 42  # Dolly's train/test split; fixed across run seeds
     max_train: int | None = None  # keep the first N training examples per client
     max_test: int | None = None  # evaluate on the first N test examples per client
     validation: int | None = None  # hold out N training examples per client and evaluate on them (tuning)
+    # Partitions and your own data (pflalign.data.partition / files / federate); the defaults are
+    # today's federations: one client per category, Dolly's seeded 10% and FLAN's test.jsonl test sets.
+    columns: DataColumns = field(default_factory=DataColumns)
+    partition: str = "natural"  # natural | iid | dirichlet | shard | linear | exponential | square
+    partition_by: str | None = None  # the column naming a client (natural) or a label (dirichlet, shard)
+    num_clients: int | None = None  # every partition but natural
+    alpha: float | None = None  # dirichlet: concentration, > 0; smaller is more label skew
+    min_partition_size: int | None = None  # fewest rows per client (dirichlet redraws; default 10 there, else 1)
+    shards_per_client: int | None = None  # shard: default 2
+    test_set: str = "auto"  # auto | per_client | global (pflalign.data.federate)
+    test_fraction: float = 0.1  # per_client / global hold-out: ceil(fraction x rows), seeded by split_seed
+    drop_empty: bool = False  # files: drop (and count) rows with an empty instruction, response or label
 
 
 @dataclass
@@ -219,6 +240,9 @@ def validate(cfg: RunConfig) -> None:
                         ("eval.every_max_test", cfg.eval.every_max_test)):
         if value is not None and value <= 0:
             raise UserError(f"{name} must be > 0, got {value}")
+    from .data.federate import FederationOptions, check_options
+
+    check_options(cfg.data.name, FederationOptions.from_config(cfg.data))
     method_args(cfg)  # unknown method or hyperparameter fails here, before any work
 
 

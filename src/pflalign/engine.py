@@ -26,7 +26,8 @@ from .base_cache import base_generations
 from .config import RunConfig, build_config, method_args, to_dict
 from .client import local_round
 from .data import ClientData
-from .data.load import load_federation
+from .data.federate import FederationOptions
+from .data.load import load_federation_described
 from .errors import RunInterrupted, TrainingDiverged, UserError
 from .evaluate import generate, rouge_l
 from .methods import method_class
@@ -93,8 +94,9 @@ def score_client(lm: FederatedLM, test: list, adapter: Params | None, cfg: RunCo
     return rouge_l(preds, [ex.response for ex in test]), preds
 
 
-def summarize(cfg: RunConfig, rows: list[dict], truncated: int) -> dict:
-    """`results.json` from the per-client rows (averages are plain means over clients)."""
+def summarize(cfg: RunConfig, rows: list[dict], truncated: int, data_info: dict | None = None) -> dict:
+    """`results.json` from the per-client rows (averages are plain means over clients); `data`:
+    what a partitioned or your-own-data federation loaded (columns, rows dropped and why), if any."""
 
     def mean(key):
         values = [r[key] for r in rows if r[key] is not None]
@@ -107,7 +109,7 @@ def summarize(cfg: RunConfig, rows: list[dict], truncated: int) -> dict:
         "avg_rouge_l_global": mean("rouge_l_global"),
         "avg_rouge_l_base": mean("rouge_l_base"),
         "truncated_train_examples": truncated,
-    }
+    } | ({"data": data_info} if data_info is not None else {})
 
 
 def sample_clients(num_clients: int, fraction: float, seed: int, round_index: int) -> list[int]:
@@ -153,9 +155,9 @@ class Federation:
     def __init__(self, cfg: RunConfig, progress: bool = True):
         self.cfg = cfg
         self.progress = progress
-        datasets = load_federation(
+        datasets, self.data_info = load_federation_described(
             cfg.data.name, cfg.data.dir, cfg.data.clients, cfg.data.split_seed,
-            cfg.data.max_train, cfg.data.max_test, cfg.data.validation,
+            cfg.data.max_train, cfg.data.max_test, cfg.data.validation, FederationOptions.from_config(cfg.data),
         )
         dtype = getattr(torch, cfg.dtype)
         self.lm = FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=dtype, device=resolve_device(cfg.device))
@@ -316,7 +318,7 @@ class Federation:
                     "personalized": personal_out[i][j], "global": global_out[i][j],
                     "base": base_out[i][j] if base_out[i] is not None else None,
                 })
-        return summarize(cfg, rows, self.truncated), predictions
+        return summarize(cfg, rows, self.truncated, self.data_info), predictions
 
 
 def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool = False,

@@ -12,11 +12,12 @@ import random
 
 from pflalign.data import ClientData
 from pflalign.data.dolly import DOLLY_HUB_ID, check_unique, load_dolly, unknown_category_error
+from pflalign.data.federate import FederationOptions, check_options, load_partitioned
 from pflalign.data.flan import load_flan
 from pflalign.data.synthetic import SYNTHETIC_TASKS, make_synthetic
 from pflalign.errors import UserError
 
-FEDERATIONS = ("synthetic", "dolly", "flan")
+FEDERATIONS = ("synthetic", "dolly", "flan", "files")
 DOLLY_PAPER_CATEGORIES = ["classification", "closed_qa", "information_extraction", "summarization"]
 FLAN_PAPER_CATEGORIES = ["coreference", "entailment", "paraphrase", "structure_to_text"]
 SYNTHETIC_DEFAULT_TRAIN = 64
@@ -31,8 +32,10 @@ def load_federation(
     max_train: int | None,
     max_test: int | None,
     validation: int | None = None,
+    options: FederationOptions | None = None,
 ) -> list[ClientData]:
-    """Load the federation `name` ("synthetic", "dolly" or "flan"), one client per category.
+    """Load the federation `name` ("synthetic", "dolly", "flan" or "files"), one client per category
+    (or as `options` partition it: see `load_federation_described`).
 
     `validation=N` holds out N of each client's training examples as the split
     it is evaluated on, in place of its test split (see `hold_out_validation`).
@@ -42,10 +45,43 @@ def load_federation(
     Hub, FLAN needs a folder, synthetic takes none. For synthetic, `split_seed`
     seeds the generator and `max_train`/`max_test` are the sizes (default 64/16).
     """
-    clients = _load(name, source or None, categories, split_seed, max_train, max_test)
+    return load_federation_described(name, source, categories, split_seed, max_train, max_test,
+                                     validation, options)[0]
+
+
+def load_federation_described(
+    name: str,
+    source: str | None,
+    categories: list[str] | None,
+    split_seed: int,
+    max_train: int | None,
+    max_test: int | None,
+    validation: int | None = None,
+    options: FederationOptions | None = None,
+) -> tuple[list[ClientData], dict | None]:
+    """`load_federation`, and what was loaded for results.json (`data`): source, columns,
+    partition, rows dropped and why, clients' sizes. None for today's federations with
+    the default options (one client per category), whose results.json stays as it was.
+
+    `options` (the `data.*` partition and column keys, `FederationOptions.from_config(cfg.data)`)
+    route `files`, and `dolly`/`flan` with anything but the default, through
+    `pflalign.data.federate`; None or the defaults load exactly as before.
+    """
+    info = None
+    if name == "files" or (options is not None and name in ("dolly", "flan") and not options.is_default()):
+        if options is None:
+            options = FederationOptions()
+        chosen = categories
+        if chosen is None and name in ("dolly", "flan"):
+            chosen = DOLLY_PAPER_CATEGORIES if name == "dolly" else FLAN_PAPER_CATEGORIES
+        clients, info = load_partitioned(name, source or None, chosen, split_seed, max_train, max_test, options)
+    else:
+        if options is not None:
+            check_options(name, options)
+        clients = _load(name, source or None, categories, split_seed, max_train, max_test)
     if validation is None:
-        return clients
-    return [hold_out_validation(c, validation, split_seed) for c in clients]
+        return clients, info
+    return [hold_out_validation(c, validation, split_seed) for c in clients], info
 
 
 def hold_out_validation(client: ClientData, n: int, split_seed: int) -> ClientData:
