@@ -51,6 +51,7 @@ class DataConfig:
     test_set: str = "auto"  # auto | per_client | global (pflalign.data.federate)
     test_fraction: float = 0.1  # per_client / global hold-out: ceil(fraction x rows), seeded by split_seed
     drop_empty: bool = False  # files: drop (and count) rows with an empty instruction, response or label
+    template: str = "chat"  # chat: the tokenizer's chat template (plain when it has none); plain: always plain (base models)
 
 
 @dataclass
@@ -229,6 +230,7 @@ def validate(cfg: RunConfig) -> None:
         (cfg.eval.max_new_tokens > 0, f"eval.max_new_tokens must be > 0, got {cfg.eval.max_new_tokens}"),
         (cfg.eval.batch_size > 0, f"eval.batch_size must be > 0, got {cfg.eval.batch_size}"),
         (cfg.eval.every >= 0, f"eval.every must be >= 0, got {cfg.eval.every}"),
+        (cfg.data.template in ("chat", "plain"), f"data.template must be chat or plain, got {cfg.data.template!r}"),
         (cfg.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}"),
         (cfg.device in ("cpu", "cuda", "auto") or cfg.device.startswith("cuda:"), f"device must be cpu, cuda or auto, got {cfg.device!r}"),
     ]
