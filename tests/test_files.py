@@ -292,3 +292,15 @@ def test_cli_bad_own_data_exit_2_nothing_written(capsys, tmp_path):
     assert err.endswith("row 1: empty response (column 'answer'); fix the data or set data.drop_empty=true "
                         "to drop such rows") and "\n" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_flower_app_refuses_what_it_cannot_load_yet():
+    """Flower's ClientApp loads one category per node; partitions and files run in process for now."""
+    pytest.importorskip("flwr")
+    from pflalign.flower import wire
+
+    assert wire.client_tasks(build_config(None, parse_set(["data.name=dolly"]))) == DOLLY_PAPER_CATEGORIES
+    for items in (["data.name=files", "data.dir=x.csv", "data.partition_by=topic"],
+                  ["data.name=dolly", "data.partition=iid", "data.num_clients=8"]):
+        with pytest.raises(UserError, match="the Flower app runs one client per category"):
+            wire.client_tasks(build_config(None, parse_set(items)))

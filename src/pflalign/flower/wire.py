@@ -106,6 +106,11 @@ def config_from_json(text: str) -> RunConfig:
 
 def client_tasks(cfg: RunConfig) -> list[str]:
     """The category of every client, in client order (partition-id k holds the k-th)."""
+    from ..data.federate import FederationOptions
+
+    if cfg.data.name == "files" or not FederationOptions.from_config(cfg.data).is_default():
+        raise UserError("the Flower app runs one client per category of synthetic, dolly or flan only; "
+                        "run data.name=files and data.partition/test_set options with `pflalign run`")
     if cfg.data.clients is not None:
         return list(cfg.data.clients)
     defaults = {"synthetic": list(SYNTHETIC_TASKS), "dolly": DOLLY_PAPER_CATEGORIES, "flan": FLAN_PAPER_CATEGORIES}
