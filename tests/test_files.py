@@ -214,6 +214,12 @@ def test_missing_or_unsupported_source_and_unreachable_hub(tmp_path, monkeypatch
         raise ConnectionError("Couldn't reach 'someone/qa' on the Hub (LocalEntryNotFoundError)\nmore")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match=r"'someone/qa' is not a local file or folder, and the Hugging Face Hub is "
+                                        r"not reachable \(HF_HUB_OFFLINE is set\)"):
+        read_table("someone/qa")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr("pflalign.data.files._hub_unreachable", lambda: None)  # as if online, then it fails
     with pytest.raises(UserError, match=r"'someone/qa' is not a local file or folder, and loading it as a Hugging "
                                         r"Face hub dataset failed \(Couldn't reach") as info:
         read_table("someone/qa")

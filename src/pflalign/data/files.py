@@ -120,7 +120,32 @@ def _load(source: str) -> tuple[dict[str, Any], str]:
         return _call_load_dataset(str(path), str(path)), str(path)
     if path.suffix.lower() in BUILDERS or source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise UserError(f"data file not found: {path}")
+    unreachable = _hub_unreachable()
+    if unreachable:
+        raise UserError(f"{source!r} is not a local file or folder, and the Hugging Face Hub is not reachable "
+                        f"({unreachable}); pass a local .json/.jsonl/.csv/.parquet file or folder")
     return _call_load_dataset(source, source, hub=True), source
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached, or None: offline mode, or no connection to its host within
+    3 s (checked first, so that an offline machine fails at once instead of after the hub
+    client's retries). Behind a proxy the check is left to the hub client."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as error:
+        return f"cannot connect to {host}:{port}: {error.strerror or error}"
+    return None
 
 
 def _call_load_dataset(where: str, *args, hub: bool = False, **kwargs) -> dict[str, Any]:
