@@ -201,7 +201,7 @@ def make_client(k: int, data: ClientShare, tokenizer, cfg: RunConfig, state: Sta
         raise UserError(
             f"client {k} ({data.name}) has {len(data.train)} training examples, fewer than batch_size={cfg.batch_size}"
         )
-    return Client(k, data, [encode_train(tokenizer, ex, cfg.max_seq_len) for ex in data.train], state)
+    return Client(k, data, [encode_train(tokenizer, ex, cfg.max_seq_len, cfg.data.template) for ex in data.train], state)
 
 
 def draw_batches(client: Client, cfg: RunConfig, pad_id: int) -> list[dict]:
@@ -227,7 +227,7 @@ def train_client(lm, method: Method, client: Client, global_params: Params, rece
 def score_client(lm, test: list, adapter: Params | None, cfg: RunConfig, desc: str,
                  progress: bool) -> tuple[float, list[str]]:
     """ROUGE-L and generations on `test` with `adapter` (None: the base model, adapter switched off)."""
-    prompts = [encode_prompt(lm.tokenizer, ex, cfg.max_seq_len)[0] for ex in test]
+    prompts = [encode_prompt(lm.tokenizer, ex, cfg.max_seq_len, cfg.data.template)[0] for ex in test]
     if adapter is not None:
         lm.set_lora(adapter)
 

@@ -93,7 +93,7 @@ def generate_stream(model, tokenizer, cfg, prompt: str, max_new_tokens: int, out
     from .evaluate import _eos_ids
     from .prompts import encode_prompt
 
-    ids, _ = encode_prompt(tokenizer, Example(prompt, ""), cfg.max_seq_len)
+    ids, _ = encode_prompt(tokenizer, Example(prompt, ""), cfg.max_seq_len, cfg.data.template)
 
     class Stream(BaseStreamer):  # decodes the new tokens so far and writes what was not yet written
         def __init__(self):

@@ -34,14 +34,36 @@ class LoraSettings:
 
 
 @dataclass
+class DataColumns:
+    """data.name=files: which column of your data is what (pflalign.data.files)."""
+
+    instruction: str = "instruction"
+    response: str = "response"
+    context: str | None = None  # optional: appended to the instruction as "\n\nContext:\n..."
+
+
+@dataclass
 class DataConfig:
-    name: str = "synthetic"  # synthetic | dolly | flan
-    dir: str | None = None  # dolly: .jsonl file, folder or hub id; flan: FedDPA folder
+    name: str = "synthetic"  # synthetic | dolly | flan | files
+    dir: str | None = None  # dolly: .jsonl file, folder or hub id; flan: FedDPA folder; files: file, folder or hub id
     clients: list[str] | None = None  # categories, one client each; None: the paper's 4
     split_seed: int = 42  # Dolly's train/test split; fixed across run seeds
     max_train: int | None = None  # keep the first N training examples per client
     max_test: int | None = None  # evaluate on the first N test examples per client
     validation: int | None = None  # hold out N training examples per client and evaluate on them (tuning)
+    # Partitions and your own data (pflalign.data.partition / files / federate); the defaults are
+    # today's federations: one client per category, Dolly's seeded 10% and FLAN's test.jsonl test sets.
+    columns: DataColumns = field(default_factory=DataColumns)
+    partition: str = "natural"  # natural | iid | dirichlet | shard | linear | exponential | square
+    partition_by: str | None = None  # the column naming a client (natural) or a label (dirichlet, shard)
+    num_clients: int | None = None  # every partition but natural
+    alpha: float | None = None  # dirichlet: concentration, > 0; smaller is more label skew
+    min_partition_size: int | None = None  # fewest rows per client (dirichlet redraws; default 10 there, else 1)
+    shards_per_client: int | None = None  # shard: default 2
+    test_set: str = "auto"  # auto | per_client | global (pflalign.data.federate)
+    test_fraction: float = 0.1  # per_client / global hold-out: ceil(fraction x rows), seeded by split_seed
+    drop_empty: bool = False  # files: drop (and count) rows with an empty instruction, response or label
+    template: str = "chat"  # chat: the tokenizer's chat template (plain when it has none); plain: always plain (base models)
 
 
 @dataclass
@@ -240,6 +262,7 @@ def validate(cfg: RunConfig) -> None:
         (cfg.eval.max_new_tokens > 0, f"eval.max_new_tokens must be > 0, got {cfg.eval.max_new_tokens}"),
         (cfg.eval.batch_size > 0, f"eval.batch_size must be > 0, got {cfg.eval.batch_size}"),
         (cfg.eval.every >= 0, f"eval.every must be >= 0, got {cfg.eval.every}"),
+        (cfg.data.template in ("chat", "plain"), f"data.template must be chat or plain, got {cfg.data.template!r}"),
         (cfg.dtype in ("float32", "bfloat16", "float16"), f"dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}"),
         (cfg.device in ("cpu", "cuda", "auto") or cfg.device.startswith("cuda:"), f"device must be cpu, cuda or auto, got {cfg.device!r}"),
     ]
@@ -256,6 +279,9 @@ def validate(cfg: RunConfig) -> None:
         from .tensorboard import check
 
         check(cfg)  # the optional extra is there
+    from .data.federate import FederationOptions, check_options
+
+    check_options(cfg.data.name, FederationOptions.from_config(cfg.data))
     method_args(cfg)  # unknown method or hyperparameter fails here, before any work
 
 

@@ -28,7 +28,7 @@ from .evaluate import add_exact_match
 from .lifecycle import Recorder, RoundRecord, client_row, results_summary, sample_clients
 from .methods.base import Method, Params, RoundContext, data_weights
 from .model import build_model
-from .partition import client_shares
+from .partition import client_shares_described
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Federation:
     def __init__(self, cfg: RunConfig, progress: bool = True):
         self.cfg = cfg
         self.progress = progress
-        shares = client_shares(cfg)
+        shares, self.data_info = client_shares_described(cfg)
         self.lm = build_model(cfg)
         self.lm.check_max_seq_len(cfg.max_seq_len)
         self.method: Method = make_method(cfg)
@@ -160,7 +160,7 @@ class Federation:
                     "personalized": personal_out[i][j], "global": global_out[i][j],
                     "base": base_out[i][j] if base_out[i] is not None else None,
                 })
-        return results_summary(cfg, rows, self.truncated), predictions
+        return results_summary(cfg, rows, self.truncated, self.data_info), predictions
 
 
 @run_dir.guarded  # --out checked and locked, --overwrite restores the old run on failure

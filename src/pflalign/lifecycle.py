@@ -68,8 +68,9 @@ def sample_clients(num_clients: int, fraction: float, seed: int, round_index: in
     return sorted(rng.choice(num_clients, size=count, replace=False).tolist())
 
 
-def results_summary(cfg: RunConfig, rows: list[dict], truncated: int) -> dict:
-    """`results.json` from the per-client rows (averages are plain means over clients)."""
+def results_summary(cfg: RunConfig, rows: list[dict], truncated: int, data_info: dict | None = None) -> dict:
+    """`results.json` from the per-client rows (averages are plain means over clients); `data`:
+    what a partitioned or your-own-data federation loaded (columns, rows dropped and why), if any."""
 
     def mean(key):
         values = [r[key] for r in rows if r[key] is not None]
@@ -82,7 +83,7 @@ def results_summary(cfg: RunConfig, rows: list[dict], truncated: int) -> dict:
         "avg_rouge_l_global": mean("rouge_l_global"),
         "avg_rouge_l_base": mean("rouge_l_base"),
         "truncated_train_examples": truncated,
-    }
+    } | ({"data": data_info} if data_info is not None else {})
 
 
 def client_row(k: int, name: str, n_train: int, n_test: int, personalized: float, global_: float,

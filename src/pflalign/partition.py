@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .config import RunConfig
 from .data import Example
-from .data.load import DEFAULT_CATEGORIES, load_federation
+from .data.load import DEFAULT_CATEGORIES, load_federation, load_federation_described
 from .errors import UserError
 
 
@@ -65,11 +65,42 @@ def hold_out_validation(share: ClientShare, n: int, split_seed: int) -> ClientSh
                        [share.train[i] for i in sorted(held)])
 
 
-def client_shares(cfg: RunConfig, data_dir: str | None = None, which: list[int] | None = None) -> list[ClientShare]:
+def uses_partitioner(cfg: RunConfig) -> bool:
+    """Whether the clients come from `pflalign.data.federate` (your own files, or a partition other
+    than today's one client per category) rather than `by_category`."""
+    from .data.federate import FederationOptions
+
+    return cfg.data.name == "files" or not FederationOptions.from_config(cfg.data).is_default()
+
+
+def partitioned(cfg: RunConfig, data_dir: str | None) -> tuple[list[ClientShare], dict | None]:
+    """Your own data (data.name=files) or flwr-datasets' partitioners (data.partition=iid,
+    dirichlet, ...; pflalign.data.federate), and what was loaded, for results.json."""
+    from .data.federate import FederationOptions
+
+    tasks, info = load_federation_described(cfg.data.name, data_dir, cfg.data.clients, cfg.data.split_seed,
+                                            cfg.data.max_train, cfg.data.max_test,
+                                            FederationOptions.from_config(cfg.data))
+    return [ClientShare(t.task, t.train, t.test) for t in tasks], info
+
+
+def client_shares_described(cfg: RunConfig, data_dir: str | None = None,
+                            which: list[int] | None = None) -> tuple[list[ClientShare], dict | None]:
     """The clients' data (`which`: only those, in that order; None: all) with the dataset read
-    from `data_dir` (None: ``data.dir``); with ``data.validation`` each client is evaluated on
-    a split held out of its training data instead of its test split."""
-    shares = PARTITIONERS["category"](cfg, cfg.data.dir if data_dir is None else data_dir, which)
-    if cfg.data.validation is None:
-        return shares
-    return [hold_out_validation(s, cfg.data.validation, cfg.data.split_seed) for s in shares]
+    from `data_dir` (None: ``data.dir``), and what a partitioned federation loaded (None for
+    today's one client per category); with ``data.validation`` each client is evaluated on a
+    split held out of its training data instead of its test split."""
+    data_dir = cfg.data.dir if data_dir is None else data_dir
+    if uses_partitioner(cfg):
+        shares, info = partitioned(cfg, data_dir)
+        shares = shares if which is None else [shares[k] for k in which]
+    else:
+        shares, info = PARTITIONERS["category"](cfg, data_dir, which), None
+    if cfg.data.validation is not None:
+        shares = [hold_out_validation(s, cfg.data.validation, cfg.data.split_seed) for s in shares]
+    return shares, info
+
+
+def client_shares(cfg: RunConfig, data_dir: str | None = None, which: list[int] | None = None) -> list[ClientShare]:
+    """`client_shares_described` without the description."""
+    return client_shares_described(cfg, data_dir, which)[0]

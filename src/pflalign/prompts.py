@@ -19,19 +19,30 @@ IGNORE = -100
 PLAIN_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
 
 
-def format_prompt(tokenizer, prompt: str) -> str:
-    """The model-facing prompt: the tokenizer's chat template when it has one
-    (SmolLM2, Llama-3.2-Instruct), else a plain instruction template (OPT)."""
-    if getattr(tokenizer, "chat_template", None):
+TEMPLATES = ("chat", "plain")  # data.template
+
+
+def _chat(tokenizer, template: str) -> bool:
+    """Whether prompts go through the tokenizer's chat template."""
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {', '.join(TEMPLATES)}, got {template!r}")
+    return template == "chat" and bool(getattr(tokenizer, "chat_template", None))
+
+
+def format_prompt(tokenizer, prompt: str, template: str = "chat") -> str:
+    """The model-facing prompt: with template="chat" (the default), the tokenizer's chat
+    template when it has one (SmolLM2, Llama-3.2-Instruct), else a plain instruction
+    template (OPT); template="plain" always the plain one (base models)."""
+    if _chat(tokenizer, template):
         return tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
     return PLAIN_TEMPLATE.format(prompt=prompt)
 
 
-def _ids(tokenizer, text: str) -> list[int]:
+def _ids(tokenizer, text: str, template: str = "chat") -> list[int]:
     # The chat template already holds the special tokens (BOS etc.); add none twice.
-    special = not getattr(tokenizer, "chat_template", None)
+    special = not _chat(tokenizer, template)
     ids = tokenizer(text, add_special_tokens=special)["input_ids"]
     return list(ids)
 
@@ -43,9 +54,9 @@ class Encoded:
     truncated: bool
 
 
-def encode_train(tokenizer, example: Example, max_len: int) -> Encoded:
+def encode_train(tokenizer, example: Example, max_len: int, template: str = "chat") -> Encoded:
     """Prompt + response + EOS; the prompt's labels are IGNORE so only the response is learned."""
-    prompt = _ids(tokenizer, format_prompt(tokenizer, example.prompt))
+    prompt = _ids(tokenizer, format_prompt(tokenizer, example.prompt, template), template)
     response = list(tokenizer(example.response, add_special_tokens=False)["input_ids"])
     response.append(tokenizer.eos_token_id)
     truncated = len(prompt) + len(response) > max_len
@@ -55,9 +66,9 @@ def encode_train(tokenizer, example: Example, max_len: int) -> Encoded:
     return Encoded(prompt + response, [IGNORE] * len(prompt) + response, truncated)
 
 
-def encode_prompt(tokenizer, example: Example, max_len: int) -> tuple[list[int], bool]:
+def encode_prompt(tokenizer, example: Example, max_len: int, template: str = "chat") -> tuple[list[int], bool]:
     """The prompt alone, for generation; left-truncated to max_len."""
-    prompt = _ids(tokenizer, format_prompt(tokenizer, example.prompt))
+    prompt = _ids(tokenizer, format_prompt(tokenizer, example.prompt, template), template)
     return prompt[-max_len:], len(prompt) > max_len
 
 

@@ -12,11 +12,12 @@ import difflib
 
 from pflalign.data import TaskData
 from pflalign.data.dolly import DOLLY_HUB_ID, check_unique, load_dolly, unknown_category_error
+from pflalign.data.federate import FederationOptions, check_options, load_partitioned
 from pflalign.data.flan import load_flan
 from pflalign.data.synthetic import SYNTHETIC_TASKS, make_synthetic
 from pflalign.errors import UserError
 
-FEDERATIONS = ("synthetic", "dolly", "flan")
+FEDERATIONS = ("synthetic", "dolly", "flan", "files")
 DOLLY_PAPER_CATEGORIES = ["classification", "closed_qa", "information_extraction", "summarization"]
 FLAN_PAPER_CATEGORIES = ["coreference", "entailment", "paraphrase", "structure_to_text"]
 # the categories (one client each) of a federation when data.clients is not given
@@ -33,15 +34,49 @@ def load_federation(
     split_seed: int,
     max_train: int | None,
     max_test: int | None,
+    options: FederationOptions | None = None,
 ) -> list[TaskData]:
-    """Load the dataset `name` ("synthetic", "dolly" or "flan"): the examples of each category.
+    """Load the dataset `name` ("synthetic", "dolly", "flan" or "files"): the examples of each
+    category (or of each client as `options` partition them: see `load_federation_described`).
 
     `categories=None` means the paper's 4 categories (all 4 tasks for synthetic).
     `source` is the data file or folder; Dolly falls back to the Hugging Face
     Hub, FLAN needs a folder, synthetic takes none. For synthetic, `split_seed`
     seeds the generator and `max_train`/`max_test` are the sizes (default 64/16).
     """
-    source = source or None
+    return load_federation_described(name, source, categories, split_seed, max_train, max_test, options)[0]
+
+
+def load_federation_described(
+    name: str,
+    source: str | None,
+    categories: list[str] | None,
+    split_seed: int,
+    max_train: int | None,
+    max_test: int | None,
+    options: FederationOptions | None = None,
+) -> tuple[list[TaskData], dict | None]:
+    """`load_federation`, and what was loaded for results.json (`data`): source, columns,
+    partition, rows dropped and why, clients' sizes. None for today's federations with
+    the default options (one client per category), whose results.json stays as it was.
+
+    `options` (the `data.*` partition and column keys, `FederationOptions.from_config(cfg.data)`)
+    route `files`, and `dolly`/`flan` with anything but the default, through
+    `pflalign.data.federate`; None or the defaults load exactly as before.
+    """
+    if name == "files" or (options is not None and name in ("dolly", "flan") and not options.is_default()):
+        options = options or FederationOptions()
+        chosen = categories
+        if chosen is None and name in ("dolly", "flan"):
+            chosen = DEFAULT_CATEGORIES[name]
+        return load_partitioned(name, source or None, chosen, split_seed, max_train, max_test, options)
+    if options is not None:
+        check_options(name, options)
+    return _load(name, source or None, categories, split_seed, max_train, max_test), None
+
+
+def _load(name: str, source: str | None, categories: list[str] | None, split_seed: int,
+          max_train: int | None, max_test: int | None) -> list[TaskData]:
     if name == "synthetic":
         return _load_synthetic(source, categories, split_seed, max_train, max_test)
     if name == "dolly":

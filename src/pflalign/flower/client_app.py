@@ -52,7 +52,7 @@ from ..client import Client, make_client, score_client, train_client
 from ..config import RunConfig, make_method
 from ..errors import UserError
 from ..model import FederatedLM, build_model, cache_dir
-from ..partition import client_names, client_shares
+from ..partition import client_shares
 from . import wire
 
 log = logging.getLogger("flwr.pflalign")
@@ -85,7 +85,7 @@ def _cached(key: str, build):
 def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]:
     """The model (with w^0 as its live adapter on first build) and client k's data."""
     k, n = partition(context)
-    names = client_names(cfg)
+    names = wire.client_names(cfg)
     if n != len(names) or not 0 <= k < n:
         raise UserError(f"node config partition-id={k} num-partitions={n} does not fit the run's "
                         f"{len(names)} clients ({', '.join(names)})")

@@ -41,7 +41,6 @@ from ..config import RunConfig
 from ..errors import TrainingDiverged, UserError
 from ..lifecycle import RoundRecord, sample_clients
 from ..methods.base import Method, Params, RoundContext, data_weights
-from ..partition import client_names
 from . import validate, wire
 
 log = logging.getLogger("flwr.pflalign")
@@ -127,7 +126,7 @@ class MethodStrategy(Strategy):
         self.global_params = global_params
         self.server_state = method.init_server_state(global_params)
         self.dtype = next(iter(global_params.values())).dtype
-        self.nodes = Nodes(client_names(cfg), query_timeout)
+        self.nodes = Nodes(wire.client_names(cfg), query_timeout)
         self.min_clients = min_clients
         self.expected = validate.expected_message(method, global_params)  # what a client's update must look like
         self.max_update_norm = max_update_norm  # 0: no bound

@@ -1,0 +1,294 @@
+"""From a table of examples to clients: partition the rows, then give each client a test set.
+
+`make_clients(table, options, ...)` is the one path for every tabular federation:
+your own files (`data.name=files`) and Dolly/FLAN with a partition other than
+today's one client per category. `dolly_table`/`flan_table` read those two as
+tables (label = category); with `data.partition=natural` and the default test
+rule they give exactly the clients `load_dolly`/`load_flan` give (tested).
+
+Test sets (`data.test_set`):
+- ``auto`` (default): the source's own test split when it has one (FLAN's
+  `test.jsonl`, a `test` split of your files): with the natural partition each
+  client gets the test rows of its own label, in file order (FLAN's rule); with
+  any other partition the whole test split is every client's test set. A source
+  without a test split: as ``per_client``.
+- ``per_client``: each client holds out ceil(test_fraction x its rows), drawn by
+  an RNG seeded with `f"{split_seed}:{client}"` (Dolly's rule; test first, the
+  rest is training data); a source's own test split is then not used.
+- ``global``: one test set for every client: the source's test split, or else
+  ceil(test_fraction x all rows) drawn with `f"{split_seed}:global"` before the
+  rest is partitioned.
+`data.clients`, when given, keeps only rows (and test rows) with those labels;
+the rows it removes are counted as dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from pflalign.data import Example, TaskData
+from pflalign.data.dolly import DOLLY_CATEGORIES, check_limit, check_unique, get_text_field, read_jsonl
+from pflalign.data.files import Columns, Table, read_table
+from pflalign.data.partition import PartitionSpec, check_spec, partition
+from pflalign.errors import UserError
+
+log = logging.getLogger(__name__)
+
+TEST_SETS = ("auto", "per_client", "global")
+DEFAULT_TEST_FRACTION = 0.1  # Dolly's ceil(10%) hold-out
+
+
+@dataclass(frozen=True)
+class FederationOptions:
+    """The `data.*` keys of a partitioned federation (see `pflalign.config.DataConfig`)."""
+
+    partition: PartitionSpec = field(default_factory=PartitionSpec)
+    partition_by: str | None = None
+    test_set: str = "auto"
+    test_fraction: float = DEFAULT_TEST_FRACTION
+    columns: Columns = field(default_factory=Columns)
+    drop_empty: bool = False
+
+    @classmethod
+    def from_config(cls, data: Any) -> FederationOptions:
+        """From a `DataConfig` (or anything with its attributes); `split_seed` seeds the partition."""
+        columns = data.columns
+        if isinstance(columns, dict):
+            columns = Columns(**columns)
+        else:
+            columns = Columns(columns.instruction, columns.response, columns.context)
+        return cls(
+            partition=PartitionSpec(data.partition, data.num_clients, data.alpha, data.min_partition_size,
+                                    data.shards_per_client, data.split_seed),
+            partition_by=data.partition_by, test_set=data.test_set, test_fraction=data.test_fraction,
+            columns=columns, drop_empty=data.drop_empty,
+        )
+
+    def is_default(self) -> bool:
+        """True when these options ask for nothing but today's one client per category."""
+        return self == FederationOptions(PartitionSpec(seed=self.partition.seed), self.partition_by) and \
+            self.partition_by in (None, "category")
+
+
+def check_options(name: str, options: FederationOptions) -> None:
+    """Every value that can be checked without reading data; one line each."""
+    check_spec(options.partition)
+    if options.test_set not in TEST_SETS:
+        raise UserError(f"data.test_set must be one of {', '.join(TEST_SETS)}, got {options.test_set!r}")
+    f = options.test_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 < f < 1:
+        raise UserError(f"data.test_fraction must be a number in (0, 1), got {f!r}")
+    for role in ("instruction", "response", "context"):
+        value = getattr(options.columns, role)
+        if (value is not None or role != "context") and (not isinstance(value, str) or not value.strip()):
+            raise UserError(f"data.columns.{role} must be a column name, got {value!r}")
+    if options.partition_by is not None and (not isinstance(options.partition_by, str) or not options.partition_by):
+        raise UserError(f"data.partition_by must be a column name, got {options.partition_by!r}")
+    if name in ("dolly", "flan"):
+        if options.columns != Columns():
+            raise UserError(f"data.columns applies to data.name=files; {name} has fixed columns")
+        if options.partition_by not in (None, "category"):
+            raise UserError(f"data.partition_by for {name} can only be 'category', got {options.partition_by!r}")
+        if options.drop_empty:
+            raise UserError(f"data.drop_empty applies to data.name=files, not {name}")
+    elif name == "files":
+        if options.partition.method == "natural" and options.partition_by is None:
+            raise UserError("data.partition=natural makes one client per value of a column: set "
+                            "data.partition_by=COLUMN, or split the rows with e.g. data.partition=iid "
+                            "data.num_clients=N")
+    elif name == "synthetic":
+        if not options.is_default():
+            raise UserError("the synthetic federation is 4 generated tasks, one client each: "
+                            "data.partition, data.test_set and data.columns do not apply to it")
+
+
+def load_partitioned(
+    name: str,
+    source: str | None,
+    clients: list[str] | None,
+    split_seed: int,
+    max_train: int | None,
+    max_test: int | None,
+    options: FederationOptions,
+) -> tuple[list[TaskData], dict[str, Any]]:
+    """Read federation `name` ("files", "dolly", "flan") as a table and make its clients."""
+    check_options(name, options)
+    if name == "files":
+        if not source:
+            raise UserError("data.name=files needs its data: --set data.dir=FILE_OR_FOLDER (or a hub id)")
+        table = read_table(source, options.columns, options.partition_by, options.drop_empty)
+        label_name = options.partition_by or "label"
+    elif name == "dolly":
+        table, label_name = dolly_table(source), "category"
+    elif name == "flan":
+        if not source:
+            raise UserError("the flan federation needs its data folder: pass --data-dir")
+        table, label_name = flan_table(source), "category"
+    else:
+        raise UserError(f"federation {name!r} cannot be partitioned; use files, dolly or flan")
+    return make_clients(table, options, clients, split_seed, max_train, max_test, label_name)
+
+
+def make_clients(
+    table: Table,
+    options: FederationOptions,
+    clients: Sequence[str] | None,
+    split_seed: int,
+    max_train: int | None = None,
+    max_test: int | None = None,
+    label_name: str = "label",
+) -> tuple[list[TaskData], dict[str, Any]]:
+    """Partition `table` as `options` says and give each client its train and test examples."""
+    check_limit("max_train", max_train)
+    check_limit("max_test", max_test)
+    spec = options.partition
+    dropped: Counter[str] = Counter(table.info.get("dropped", {}))
+    examples, labels = table.examples, table.labels
+    test_examples, test_labels = table.test_examples, table.test_labels
+    if clients is not None:
+        clients = [str(c) for c in clients]
+        if not clients:
+            raise UserError("data.clients is empty: name at least one client, or leave it unset for all")
+        check_unique(clients, "client")
+        if labels is None:
+            raise UserError("data.clients names values of a label column: set data.partition_by=COLUMN")
+        keep = set(clients)
+        missing = [c for c in clients if c not in set(labels)]
+        if missing:
+            raise UserError(f"data.clients: no row has {label_name} = {missing[0]!r}")
+        rows = [i for i, v in enumerate(labels) if v in keep]
+        if len(rows) < len(labels):
+            dropped[f"{label_name} not among the clients (data.clients)"] += len(labels) - len(rows)
+        examples, labels = [examples[i] for i in rows], [labels[i] for i in rows]
+        if test_examples is not None and test_labels is not None:
+            test_rows = [i for i, v in enumerate(test_labels) if v in keep]
+            if len(test_rows) < len(test_labels):
+                dropped[f"test: {label_name} not among the clients (data.clients)"] += len(test_labels) - len(test_rows)
+            test_examples, test_labels = [test_examples[i] for i in test_rows], [test_labels[i] for i in test_rows]
+
+    mode = options.test_set
+    if mode == "auto":
+        mode = ("per_label" if spec.method == "natural" else "global") if test_examples is not None else "per_client"
+    shared_test: list[Example] | None = None
+    if mode == "global":
+        if test_examples is not None:
+            shared_test = list(test_examples)
+        else:
+            order = list(range(len(examples)))
+            random.Random(f"{split_seed}:global").shuffle(order)
+            n_test = _n_test(len(order), options.test_fraction)
+            if n_test >= len(order):
+                raise UserError(f"{len(order)} rows are too few to hold out a global test set")
+            held = set(order[:n_test])
+            shared_test = [examples[i] for i in order[:n_test]]
+            rest = [i for i in range(len(examples)) if i not in held]
+            examples = [examples[i] for i in rest]
+            labels = None if labels is None else [labels[i] for i in rest]
+    elif mode == "per_client" and test_examples is not None:
+        dropped["test: the source's test split (data.test_set=per_client)"] += len(test_examples)
+
+    result = partition(labels, spec, n_rows=len(examples), clients=clients, label_name=label_name)
+    if result.unassigned:
+        dropped[f"left over by the {spec.method} partitioner"] += len(result.unassigned)
+    out: list[TaskData] = []
+    for part in result.partitions:
+        mine = [examples[i] for i in part.rows]
+        if mode == "per_client":
+            train, test = hold_out(mine, options.test_fraction, f"{split_seed}:{part.name}", part.name)
+        elif mode == "per_label":
+            train = mine
+            test = [e for e, v in zip(test_examples, test_labels, strict=True) if v == part.name]
+            if not test:
+                raise UserError(f"client {part.name!r} has no test rows ({label_name} = {part.name!r}) "
+                                "in the source's test split; use data.test_set=per_client or global")
+        else:
+            train, test = mine, list(shared_test)
+        out.append(TaskData(task=part.name, train=train[:max_train], test=test[:max_test]))
+
+    info = {
+        **{k: v for k, v in table.info.items() if k != "dropped"},
+        "partition": spec.method,
+        "partition_by": label_name if labels is not None else None,
+        "num_clients": len(out),
+        "test_set": {"per_label": "per_client (the source's test split, by label)",
+                     "per_client": f"per_client (seeded {options.test_fraction:g} hold-out)",
+                     "global": "global"}[mode],
+        "dropped": dict(sorted(dropped.items())),
+        "clients": [{"name": c.task, "n_train": len(c.train), "n_test": len(c.test)} for c in out],
+    }
+    if spec.method == "dirichlet":
+        info["alpha"] = spec.alpha
+    log.info("%d clients (%s partition%s), test set %s; dropped rows: %s", len(out), spec.method,
+             f" by {label_name}" if labels is not None else "", info["test_set"],
+             ", ".join(f"{n} ({r})" for r, n in info["dropped"].items()) or "none")
+    return out, info
+
+
+def _n_test(n: int, fraction: float) -> int:
+    """ceil(fraction x n), exactly: 0.1 x 2140 is 214, not the 215 floating point would give."""
+    return math.ceil(Fraction(repr(fraction)) * n)
+
+
+def hold_out(examples: list[Example], fraction: float, seed: str, name: str) -> tuple[list[Example], list[Example]]:
+    """Shuffle with `random.Random(seed)`; the first ceil(fraction x n) are the test set (Dolly's rule)."""
+    shuffled = list(examples)
+    random.Random(seed).shuffle(shuffled)
+    n_test = _n_test(len(shuffled), fraction)
+    if n_test >= len(shuffled):
+        raise UserError(f"client {name!r} has {len(shuffled)} rows: too few to hold out a test set "
+                        f"(data.test_fraction={fraction:g}) and keep training data")
+    return shuffled[n_test:], shuffled[:n_test]
+
+
+def dolly_table(source: str | None) -> Table:
+    """Dolly as a table: every record in file order, its category as label (load_dolly's examples)."""
+    from pflalign.data.dolly import DOLLY_HUB_ID, _dolly_prompt, _dolly_records
+
+    source = source or DOLLY_HUB_ID
+    examples, labels = [], []
+    for where, record in _dolly_records(source):
+        examples.append(Example(prompt=_dolly_prompt(record, where),
+                                response=get_text_field(record, "response", where).strip()))
+        labels.append(get_text_field(record, "category", where))
+    if not examples:
+        raise UserError(f"no Dolly records in {source}")
+    unknown = sorted(set(labels) - set(DOLLY_CATEGORIES))
+    if unknown:
+        log.info("Dolly data has categories beyond the 8 standard ones: %s", ", ".join(unknown))
+    return Table(examples, labels, info={"source": str(source), "columns": {
+        "instruction": "instruction", "context": "context", "response": "response", "label": "category"},
+        "rows": len(examples), "dropped": {}})
+
+
+def flan_table(directory: str) -> Table:
+    """FedDPA FLAN as a table: the training files (K ascending) as rows, test.jsonl as the test split."""
+    from pflalign.data.flan import TEST_FILENAME, _training_records
+
+    root = Path(directory)
+    if not root.is_dir():
+        raise UserError(f"FLAN data directory not found: {root}")
+    test_path = root / TEST_FILENAME
+    if not test_path.is_file():
+        raise UserError(f"FLAN test file not found: {test_path}")
+
+    def rows(records):
+        examples, labels = [], []
+        for where, record in records:
+            examples.append(Example(prompt=get_text_field(record, "instruction", where).strip(),
+                                    response=get_text_field(record, "output", where).strip()))
+            labels.append(get_text_field(record, "category", where))
+        return examples, labels
+
+    train, train_labels = rows(_training_records(root))
+    test, test_labels = rows(read_jsonl(test_path))
+    return Table(train, train_labels, test, test_labels, info={"source": str(root), "columns": {
+        "instruction": "instruction", "response": "output", "label": "category"},
+        "rows": len(train), "test_rows": len(test), "dropped": {}})

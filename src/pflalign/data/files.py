@@ -1,0 +1,233 @@
+"""Your own data: local JSON / JSON-lines / CSV / Parquet files, or a Hugging Face hub id,
+read with `datasets.load_dataset`, with a mapping of your columns onto the prompt.
+
+`read_table(source, columns, label)` returns a `Table`: one `Example` per row (the
+prompt is the instruction, followed by "\\n\\nContext:\\n" and the context when the
+row has one, as for Dolly), the row's label (the column naming its client, or the
+class a partitioner skews on) and, when the source has one, its own test split.
+What was read, which columns were used and which rows were dropped and why is in
+`Table.info` (JSON-ready) and in the log.
+
+Sources:
+- a file (`.json` holding a list of objects or JSON lines, `.jsonl`, `.csv`,
+  `.parquet`): the rows to partition;
+- a folder: `load_dataset(folder)`, i.e. Hugging Face's rules: files named
+  `train*` / `test*` (or `train/`, `test/` folders) are those splits, else every
+  data file is the train split;
+- anything else that is not a path: a hub id, tried only when the hub is reachable.
+A `test` split next to `train` is the source's own test set (see
+`pflalign.data.federate`); other splits (validation, ...) are ignored and logged.
+
+Bad input is one line (`UserError`, exit 2): a missing file or column, an empty
+file, a row with an empty instruction or response (or label) unless
+`drop_empty=True`, which drops such rows and counts them instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pflalign.data import Example
+from pflalign.data.dolly import first_line
+from pflalign.errors import UserError
+
+log = logging.getLogger(__name__)
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Which column of the source is what (`data.columns.*`); context is optional."""
+
+    instruction: str = "instruction"
+    response: str = "response"
+    context: str | None = None
+
+
+@dataclass
+class Table:
+    """Rows of examples with their labels; `test_*` is the source's own test split, if any."""
+
+    examples: list[Example]
+    labels: list[str] | None
+    test_examples: list[Example] | None = None
+    test_labels: list[str] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def read_table(
+    source: str,
+    columns: Columns = Columns(),
+    label: str | None = None,
+    drop_empty: bool = False,
+) -> Table:
+    """Read `source` (file, folder or hub id), map its columns, check every row."""
+    splits, where = _load(source)
+    train_name = "train" if "train" in splits else None
+    if train_name is None:
+        if len(splits) != 1:
+            raise UserError(f"{where} has splits {', '.join(sorted(splits))} and none is called 'train'")
+        train_name = next(iter(splits))
+    ignored = sorted(s for s in splits if s not in (train_name, "test"))
+    if ignored:
+        log.info("%s: ignoring split(s) %s (only train and test are used)", where, ", ".join(ignored))
+    dropped: Counter[str] = Counter()
+    examples, labels = _rows(splits[train_name], f"{where} ({train_name})", columns, label, drop_empty, dropped)
+    test_examples = test_labels = None
+    if "test" in splits and train_name != "test":
+        test_examples, test_labels = _rows(splits["test"], f"{where} (test)", columns, label, drop_empty, dropped,
+                                           is_test=True)
+    used = {"instruction": columns.instruction, "response": columns.response}
+    if columns.context:
+        used["context"] = columns.context
+    if label:
+        used["label"] = label
+    info = {
+        "source": where,
+        "columns": used,
+        "rows": splits[train_name].num_rows,
+        "test_rows": None if test_examples is None else splits["test"].num_rows,
+        "dropped": dict(sorted(dropped.items())),
+        "ignored_splits": ignored,
+    }
+    log.info("%s: columns %s; %d rows%s; dropped: %s", where,
+             ", ".join(f"{k}={v}" for k, v in used.items()), info["rows"],
+             "" if test_examples is None else f", {info['test_rows']} test rows",
+             ", ".join(f"{n} ({r})" for r, n in info["dropped"].items()) or "none")
+    return Table(examples, labels if label else None, test_examples, test_labels if label else None, info)
+
+
+def _load(source: str) -> tuple[dict[str, Any], str]:
+    """The source's splits as `datasets.Dataset`s, and a short name for messages."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        builder = BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise UserError(f"{path}: unsupported file type {path.suffix or '(none)'!r}; "
+                            f"use one of {', '.join(BUILDERS)} (or a folder of them)")
+        if path.stat().st_size == 0:
+            raise UserError(f"{path} is empty")
+        return _call_load_dataset(str(path), builder, data_files={"train": str(path)}), str(path)
+    if path.is_dir():
+        if not any(p.is_file() and p.suffix.lower() in BUILDERS for p in path.rglob("*")):
+            raise UserError(f"{path} holds no {', '.join(BUILDERS)} files")
+        return _call_load_dataset(str(path), str(path)), str(path)
+    if path.suffix.lower() in BUILDERS or source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise UserError(f"data file not found: {path}")
+    unreachable = _hub_unreachable()
+    if unreachable:
+        raise UserError(f"{source!r} is not a local file or folder, and the Hugging Face Hub is not reachable "
+                        f"({unreachable}); pass a local .json/.jsonl/.csv/.parquet file or folder")
+    return _call_load_dataset(source, source, hub=True), source
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached, or None: offline mode, or no connection to its host within
+    3 s (checked first, so that an offline machine fails at once instead of after the hub
+    client's retries). Behind a proxy the check is left to the hub client."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as error:
+        return f"cannot connect to {host}:{port}: {error.strerror or error}"
+    return None
+
+
+def _call_load_dataset(where: str, *args, hub: bool = False, **kwargs) -> dict[str, Any]:
+    try:
+        import datasets
+    except ImportError as error:  # a dependency, but say so plainly if it is missing
+        raise UserError("data.name=files needs the 'datasets' package: pip install 'datasets>=4,<5'") from error
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # "Generating train split" is noise next to the run's log
+    try:
+        loaded = datasets.load_dataset(*args, **kwargs)
+    except Exception as error:  # datasets raises many types for a bad file or an unreachable hub
+        if hub:
+            raise UserError(
+                f"{where!r} is not a local file or folder, and loading it as a Hugging Face hub dataset "
+                f"failed ({first_line(error)}); pass a local .json/.jsonl/.csv/.parquet file or folder"
+            ) from error
+        if "corresponds to no data" in str(error):  # e.g. a CSV with only its header line
+            raise UserError(f"{where} has no rows") from error
+        raise UserError(f"{where}: cannot read it as a dataset ({type(error).__name__}: {first_line(error)})") from error
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    return dict(loaded)
+
+
+def _text(value: Any, column: str, where: str) -> str:
+    """A cell as text: strings stripped, numbers and booleans written out, missing cells empty."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, str):
+        return value.strip()
+    if isinstance(value, (bool, int, float)):
+        return str(value)
+    raise UserError(f"{where}: column {column!r} must be text, got {type(value).__name__}")
+
+
+def _rows(
+    table: Any,
+    where: str,
+    columns: Columns,
+    label: str | None,
+    drop_empty: bool,
+    dropped: Counter,
+    is_test: bool = False,
+) -> tuple[list[Example], list[str]]:
+    keys = [("instruction", columns.instruction), ("response", columns.response)]
+    if columns.context:
+        keys.append(("context", columns.context))
+    if label:
+        keys.append(("label", label))
+    present = list(table.column_names)
+    for role, name in keys:
+        if name not in present:
+            key = "data.partition_by" if role == "label" else f"data.columns.{role}"
+            raise UserError(f"{where}: no column {name!r} ({key}); its columns are: {', '.join(present)}")
+    if table.num_rows == 0:
+        raise UserError(f"{where} has no rows")
+    data = {role: table[name] for role, name in keys}
+    examples: list[Example] = []
+    labels: list[str] = []
+    prefix = "test: " if is_test else ""
+    for i in range(table.num_rows):
+        row = f"{where} row {i + 1}"
+        instruction = _text(data["instruction"][i], columns.instruction, row)
+        response = _text(data["response"][i], columns.response, row)
+        context = _text(data["context"][i], columns.context, row) if "context" in data else ""
+        value = _text(data["label"][i], label, row) if "label" in data else ""
+        empty = [(role, name) for role, name, text in (("instruction", columns.instruction, instruction),
+                                                       ("response", columns.response, response),
+                                                       ("label", label, value))
+                 if name and not text]
+        if empty:
+            role, name = empty[0]
+            if not drop_empty:
+                raise UserError(f"{row}: empty {role} (column {name!r}); fix the data or set "
+                                "data.drop_empty=true to drop such rows")
+            dropped[f"{prefix}empty {role} (column {name!r})"] += 1
+            continue
+        prompt = f"{instruction}\n\nContext:\n{context}" if context else instruction
+        examples.append(Example(prompt=prompt, response=response))
+        labels.append(value)
+    if not examples:
+        raise UserError(f"{where}: every row was dropped (empty instruction, response or label)")
+    return examples, labels

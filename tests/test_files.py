@@ -1,0 +1,312 @@
+"""Your own data (pflalign.data.files) and partitioned federations (pflalign.data.federate):
+formats and column mapping, test-set rules, one-line errors, and today's Dolly/FLAN
+federations reproduced exactly as the natural partition by category."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("datasets")
+pytest.importorskip("flwr_datasets")
+
+from pflalign.cli import main  # noqa: E402
+from pflalign.config import build_config, parse_set  # noqa: E402
+from pflalign.data import Example  # noqa: E402
+from pflalign.data.federate import FederationOptions, load_partitioned  # noqa: E402
+from pflalign.data.files import Columns, read_table  # noqa: E402
+from pflalign.data.load import (  # noqa: E402
+    DOLLY_PAPER_CATEGORIES,
+    FLAN_PAPER_CATEGORIES,
+    load_federation,
+    load_federation_described,
+)
+from pflalign.data.partition import PartitionSpec  # noqa: E402
+from pflalign.errors import UserError  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "docs" / "examples" / "qa.csv"
+QA = Columns(instruction="question", response="answer", context="passage")
+
+
+def _rows(n=12, labels=("a", "b", "c")):
+    return [{"q": f"question {i}", "ctx": f"context {i}" if i % 2 else "", "ans": f"answer {i}",
+             "who": labels[i % len(labels)]} for i in range(n)]
+
+
+def _write_all_formats(tmp_path, rows):
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    paths = {"jsonl": tmp_path / "d.jsonl", "json": tmp_path / "d.json", "csv": tmp_path / "d.csv",
+             "parquet": tmp_path / "d.parquet"}
+    paths["jsonl"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths["json"].write_text(json.dumps(rows))
+    frame.to_csv(paths["csv"], index=False)
+    frame.to_parquet(paths["parquet"], index=False)
+    return paths
+
+
+def _opts(**kw):
+    spec = kw.pop("spec", PartitionSpec())
+    return FederationOptions(partition=spec, columns=kw.pop("columns", Columns("q", "ans", "ctx")), **kw)
+
+
+# --- today's federations through the new path ---------------------------------------------
+
+
+def test_dolly_natural_partition_equals_load_dolly(shared_data):
+    source = str(shared_data / "dolly" / "databricks-dolly-15k.jsonl")
+    for seed, categories in ((42, None), (7, ["summarization", "open_qa", "brainstorming"])):
+        old = load_federation("dolly", source, categories, seed, None, None)
+        new, info = load_partitioned("dolly", source, categories or DOLLY_PAPER_CATEGORIES, seed, None, None,
+                                     FederationOptions(test_set="per_client"))
+        assert new == old  # same clients, same examples, same order
+        assert info["partition"] == "natural" and info["partition_by"] == "category"
+    assert [len(c.test) for c in load_federation("dolly", source, None, 42, None, None)] == [214, 178, 151, 119]
+
+
+def test_flan_natural_partition_equals_load_flan(shared_data):
+    source = str(shared_data / "flan")
+    for categories in (None, ["word_disambiguation", "coreference"]):
+        old = load_federation("flan", source, categories, 42, None, 50)
+        new, _ = load_partitioned("flan", source, categories or FLAN_PAPER_CATEGORIES, 42, None, 50,
+                                  FederationOptions())
+        assert new == old
+
+
+def test_default_options_keep_todays_loaders_and_results(shared_data):
+    """options=defaults (what the engine passes) loads exactly as before and adds nothing to results.json."""
+    for name, source in (("dolly", str(shared_data / "dolly")), ("flan", str(shared_data / "flan")),
+                         ("synthetic", None)):
+        before = load_federation(name, source, None, 42, 20, 5)
+        after, info = load_federation_described(name, source, None, 42, 20, 5,
+                                                FederationOptions.from_config(build_config().data))
+        assert after == before and info is None
+
+
+def test_flan_dirichlet_pools_training_files_and_shares_test_jsonl(shared_data):
+    opts = FederationOptions(PartitionSpec("dirichlet", 6, alpha=1.0, seed=42))
+    clients, info = load_partitioned("flan", str(shared_data / "flan"), FLAN_PAPER_CATEGORIES, 42, None, None, opts)
+    assert sum(len(c.train) for c in clients) == 4 * 300
+    assert all(len(c.test) == 4 * 200 for c in clients)
+    assert info["test_set"] == "global" and info["partition"] == "dirichlet" and info["alpha"] == 1.0
+
+
+# --- your own files -----------------------------------------------------------------------
+
+
+def test_every_format_gives_the_same_clients(tmp_path):
+    paths = _write_all_formats(tmp_path, _rows())
+    results = {fmt: load_partitioned("files", str(p), None, 42, None, None, _opts(partition_by="who"))[0]
+               for fmt, p in paths.items()}
+    first = results["jsonl"]
+    assert [c.task for c in first] == ["a", "b", "c"]
+    assert all(r == first for r in results.values())
+    every = [e for c in first for e in c.train + c.test]
+    assert Example("question 1\n\nContext:\ncontext 1", "answer 1") in every
+    assert Example("question 0", "answer 0") in every  # empty context: the instruction alone
+
+
+def test_example_file_columns_and_info():
+    table = read_table(str(EXAMPLE), QA, "topic")
+    assert len(table.examples) == 24 and sorted(set(table.labels)) == ["arithmetic", "geography", "reading"]
+    assert table.info["columns"] == {"instruction": "question", "response": "answer", "context": "passage",
+                                     "label": "topic"}
+    assert table.examples[1] == Example("What is 2 plus 3?", "5")  # a number cell is text
+    assert table.examples[2].prompt.startswith("Which animal does the passage mention?\n\nContext:\nThe cat")
+
+
+def test_per_client_split_is_seeded_disjoint_and_ceil_of_fraction(tmp_path):
+    path = _write_all_formats(tmp_path, _rows(30))["jsonl"]
+    opts = _opts(partition_by="who", test_fraction=0.25)
+    first, info = load_partitioned("files", str(path), None, 1, None, None, opts)
+    assert load_partitioned("files", str(path), None, 1, None, None, opts)[0] == first
+    assert load_partitioned("files", str(path), None, 2, None, None, opts)[0] != first
+    for c in first:
+        assert len(c.test) == 3 and len(c.train) == 7  # ceil(0.25 x 10)
+        assert not set(c.train) & set(c.test)
+    assert [c["n_test"] for c in info["clients"]] == [3, 3, 3]
+
+
+def test_global_test_set_is_shared_and_held_out_before_partitioning(tmp_path):
+    path = _write_all_formats(tmp_path, _rows(40))["csv"]
+    clients, info = load_partitioned("files", str(path), None, 42, None, None,
+                                     _opts(spec=PartitionSpec("iid", 4, seed=42), test_set="global"))
+    test = clients[0].test
+    assert len(test) == 4 and all(c.test == test for c in clients)
+    train = [e for c in clients for e in c.train]
+    assert len(train) == 36 and len(set(train)) == 36 and not set(train) & set(test)
+    assert info["test_set"] == "global" and [c.task for c in clients] == [f"client_00{i}" for i in range(4)]
+
+
+def test_folder_with_test_split_natural_by_label_other_partitions_global(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(12)))
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(6, ("b", "a", "c"))))
+    clients, info = load_partitioned("files", str(folder), None, 42, None, None, _opts(partition_by="who"))
+    assert [(c.task, len(c.train), len(c.test)) for c in clients] == [("a", 4, 2), ("b", 4, 2), ("c", 4, 2)]
+    assert clients[1].test[0] == Example("question 0", "answer 0")  # test row 0 has label b
+    assert info["test_rows"] == 6
+    clients, info = load_partitioned("files", str(folder), None, 42, None, None,
+                                     _opts(partition_by="who", spec=PartitionSpec("iid", 2)))
+    assert all(len(c.test) == 6 for c in clients) and info["test_set"] == "global"
+    clients, info = load_partitioned("files", str(folder), ["c", "a"], 42, None, None,
+                                     _opts(partition_by="who", test_set="per_client"))
+    assert [c.task for c in clients] == ["c", "a"]
+    assert info["dropped"] == {"who not among the clients (data.clients)": 4,
+                               "test: the source's test split (data.test_set=per_client)": 4,
+                               "test: who not among the clients (data.clients)": 2}
+
+
+def test_drop_empty_counts_dropped_rows_by_reason(tmp_path):
+    rows = _rows(12)
+    rows[3]["ans"] = "  "
+    rows[5]["q"] = ""
+    rows[7]["ans"] = None
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError, match=r"d.jsonl \(train\) row 4: empty response \(column 'ans'\); .*data.drop_empty"):
+        load_partitioned("files", str(path), None, 42, None, None, _opts(partition_by="who"))
+    clients, info = load_partitioned("files", str(path), None, 42, None, None,
+                                     _opts(partition_by="who", drop_empty=True))
+    assert sum(len(c.train) + len(c.test) for c in clients) == 9
+    assert info["dropped"] == {"empty instruction (column 'q')": 1, "empty response (column 'ans')": 2}
+    assert info["rows"] == 12
+
+
+@pytest.mark.parametrize(
+    ("content", "kwargs", "match"),
+    [
+        ("", {}, r"d\.csv is empty"),
+        ("q,ans,ctx,who\n", {}, r"has no rows"),
+        ("q,answer,ctx,who\nx,y,z,a\n", {}, r"no column 'ans' \(data.columns.response\); its columns are: q, answer, ctx, who"),
+        ("q,ans,ctx,who\nx,y,z,a\n", {"partition_by": "topic"}, r"no column 'topic' \(data.partition_by\)"),
+        ("q,ans,ctx,who\nx,,z,a\n", {}, r"row 1: empty response \(column 'ans'\)"),
+        ("q,ans,ctx,who\nx,y,z,\n", {}, r"row 1: empty label \(column 'who'\)"),
+        ("q,ans,ctx,who\nx,y,z,a\nx,y,z,a\n", {"spec": PartitionSpec("iid", 3)}, r"more clients than rows \(2\)"),
+    ],
+)
+def test_bad_files_are_one_line_errors(tmp_path, content, kwargs, match):
+    path = tmp_path / "d.csv"
+    path.write_text(content)
+    kwargs.setdefault("partition_by", "who")
+    with pytest.raises(UserError, match=match) as info:
+        load_partitioned("files", str(path), None, 42, None, None, _opts(**kwargs))
+    assert "\n" not in str(info.value)
+
+
+def test_missing_or_unsupported_source_and_unreachable_hub(tmp_path, monkeypatch):
+    with pytest.raises(UserError, match="data file not found"):
+        read_table(str(tmp_path / "absent.jsonl"))
+    (tmp_path / "d.txt").write_text("x")
+    with pytest.raises(UserError, match=r"unsupported file type '\.txt'"):
+        read_table(str(tmp_path / "d.txt"))
+
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'someone/qa' on the Hub (LocalEntryNotFoundError)\nmore")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match=r"'someone/qa' is not a local file or folder, and the Hugging Face Hub is "
+                                        r"not reachable \(HF_HUB_OFFLINE is set\)"):
+        read_table("someone/qa")
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr("pflalign.data.files._hub_unreachable", lambda: None)  # as if online, then it fails
+    with pytest.raises(UserError, match=r"'someone/qa' is not a local file or folder, and loading it as a Hugging "
+                                        r"Face hub dataset failed \(Couldn't reach") as info:
+        read_table("someone/qa")
+    assert "\n" not in str(info.value)
+
+
+# --- config and command line --------------------------------------------------------------
+
+
+def test_config_keys_reach_the_loader():
+    cfg = build_config(None, parse_set([
+        "data.name=files", "data.dir=x.csv", "data.columns.instruction=question", "data.columns.context=passage",
+        "data.partition=dirichlet", "data.num_clients=5", "data.alpha=0.3", "data.partition_by=topic",
+        "data.test_set=global",
+    ]))
+    opts = FederationOptions.from_config(cfg.data)
+    assert opts.columns == Columns("question", "response", "passage")
+    assert opts.partition == PartitionSpec("dirichlet", 5, 0.3, None, None, 42)
+    assert opts.test_set == "global" and not opts.is_default()
+    assert FederationOptions.from_config(build_config().data).is_default()
+
+
+@pytest.mark.parametrize(
+    ("items", "match"),
+    [
+        (["data.alpha=-1", "data.partition=dirichlet", "data.num_clients=3"], "data.alpha must be a finite number > 0"),
+        (["data.alpha=NaN", "data.partition=dirichlet", "data.num_clients=3"], "data.alpha must be a finite number"),
+        (["data.partition=iid", "data.num_clients=0"], "data.num_clients must be a positive integer"),
+        (["data.test_fraction=0"], r"data.test_fraction must be a number in \(0, 1\)"),
+        (["data.test_fraction=1"], r"data.test_fraction must be a number in \(0, 1\)"),
+        (["data.test_fraction=NaN"], r"data.test_fraction must be a (number in \(0, 1\)|finite number)"),
+        (["data.test_set=shared"], "data.test_set must be one of auto, per_client, global"),
+        (["data.partition=iid", "data.num_clients=2"], "synthetic federation is 4 generated tasks"),
+        (["data.name=dolly", "data.columns.instruction=q"], "data.columns applies to data.name=files"),
+        (["data.name=files", "data.dir=x.csv"], "data.partition=natural makes one client per value of a column"),
+        (["data.columns.instruction="], "data.columns.instruction must be a column name"),
+        (["data.columns.promt=x"], "unknown config key 'data.columns.promt'"),
+    ],
+)
+def test_bad_data_config_values_are_one_line_errors(items, match):
+    with pytest.raises(UserError, match=match):
+        build_config(None, parse_set(items))
+
+
+def _docs_command() -> list[str]:
+    text = (REPO / "docs" / "usage.md").read_text()
+    section = text.split("## Bring your own data", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[0] == "pflalign"
+    return argv[1:]
+
+
+def test_docs_bring_your_own_data_example_runs_as_written(tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(REPO)  # the command's paths are relative to the repository root
+    argv = _docs_command()
+    out = tmp_path / "byod"
+    argv[argv.index("--out") + 1] = str(out)
+    caplog.set_level("INFO")
+    assert main([*argv, "--no-progress"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [c["task"] for c in results["clients"]] == ["geography", "arithmetic", "reading"]
+    data = results["data"]
+    assert data["columns"] == {"instruction": "question", "response": "answer", "context": "passage", "label": "topic"}
+    assert data["dropped"] == {} and data["rows"] == 24 and data["partition"] == "natural"
+    assert "columns instruction=question, response=answer, context=passage, label=topic; 24 rows" in caplog.text
+
+
+def test_cli_bad_own_data_exit_2_nothing_written(capsys, tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text(EXAMPLE.read_text().replace(",Paris,", ",,", 1))
+    argv = [arg.replace("docs/examples/qa.csv", str(bad)) for arg in _docs_command()]
+    argv[argv.index("--out") + 1] = str(tmp_path / "run")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("row 1: empty response (column 'answer'); fix the data or set data.drop_empty=true "
+                        "to drop such rows") and "\n" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_flower_app_refuses_what_it_cannot_load_yet():
+    """Flower's ClientApp loads one category per node; partitions and files run in process for now."""
+    pytest.importorskip("flwr")
+    from pflalign.flower import wire
+
+    assert wire.client_names(build_config(None, parse_set(["data.name=dolly"]))) == DOLLY_PAPER_CATEGORIES
+    for items in (["data.name=files", "data.dir=x.csv", "data.partition_by=topic"],
+                  ["data.name=dolly", "data.partition=iid", "data.num_clients=8"]):
+        with pytest.raises(UserError, match="the Flower app runs one client per category"):
+            wire.client_names(build_config(None, parse_set(items)))
