@@ -170,19 +170,19 @@ def test_expected_updates_follow_the_method_and_bad_metrics_are_rejected():
     assert expected_message(METHODS["ffa-lora"](), ADAPTER) == {"params": {n: v for n, v in shapes.items() if "lora_B" in n}}
     assert expected_message(METHODS["local"](), ADAPTER) == {}
     assert expected_message(METHODS["pflalign"](), {n: t.bfloat16() for n, t in ADAPTER.items()}) == {"params": shapes}
-    good = {"n-train": 12, "losses": [1.5, 1.25], "update-norm": 0.1, "model-norm": 4.0, "gsnr-mean": 0.3}
+    good = {"n_train": 12, "losses": [1.5, 1.25], "update_norm": 0.1, "model_norm": 4.0, "gsnr_mean": 0.3}
     assert validate_train_metrics(good, local_steps=2) is None
-    for bad, reason in [({"n-train": 0}, "'n-train' must be a positive integer"),
+    for bad, reason in [({"n_train": 0}, "'n_train' must be a positive integer"),
                         ({"losses": [1.5, float("nan")]}, "'losses' must hold 2 finite numbers"),
                         ({"losses": [1.5]}, "'losses' must hold 2 finite numbers"),
-                        ({"update-norm": None}, "'update-norm' must be a finite number"),
-                        ({"gsnr-mean": float("inf")}, "'gsnr-mean' must be a finite number")]:
+                        ({"update_norm": None}, "'update_norm' must be a finite number"),
+                        ({"gsnr_mean": float("inf")}, "'gsnr_mean' must be a finite number")]:
         assert reason in validate_train_metrics({**good, **bad}, local_steps=2)
-    scores = {"task": "sorting", "n-train": 12, "n-test": 3, "truncated": 0, "rouge-l-personalized": 50.0,
-              "rouge-l-global": 40.0}
+    scores = {"task": "sorting", "n_train": 12, "n_test": 3, "truncated": 0, "rouge_l_personalized": 50.0,
+              "rouge_l_global": 40.0}
     assert validate_eval_metrics(scores) is None
-    assert "'rouge-l-global' must be a ROUGE-L score" in validate_eval_metrics({**scores, "rouge-l-global": 1e9})
-    assert "'n-test' must be a non-negative integer" in validate_eval_metrics({**scores, "n-test": -1})
+    assert "'rouge-l-global' must be a ROUGE-L score" in validate_eval_metrics({**scores, "rouge_l_global": 1e9})
+    assert "'n_test' must be a non-negative integer" in validate_eval_metrics({**scores, "n_test": -1})
 
 
 # ---- processes -----------------------------------------------------------------------------

@@ -70,17 +70,17 @@ def test_an_all_zero_or_unchanged_update_is_refused(w0):
     assert "unchanged" in validate.validate_update(same, expected, reference=reference, max_ratio=10)
 
 
-GOOD_METRICS = {"n-train": 4, "losses": [1.0, 0.5], "update-norm": 0.1, "model-norm": 4.0, "gsnr-mean": 0.2,
-                "gsnr-ratio": 1.1}
+GOOD_METRICS = {"n_train": 4, "losses": [1.0, 0.5], "update_norm": 0.1, "model_norm": 4.0, "gsnr_mean": 0.2,
+                "gsnr_ratio": 1.1}
 
 
 @pytest.mark.parametrize("key,value,declared,needle", [
     ("losses", [1.0, -0.5], None, "negative loss"),
-    ("update-norm", -1.0, None, "'update-norm' must be a finite number >= 0"),
-    ("model-norm", -1.0, None, "'model-norm' must be a finite number >= 0"),
-    ("gsnr-mean", -0.1, None, "'gsnr-mean' must be a finite number >= 0"),
-    ("gsnr-ratio", -2.0, None, "'gsnr-ratio' must be a finite number >= 0"),
-    ("n-train", 10**9, 4, "more than the 4 the client declared at the start"),
+    ("update_norm", -1.0, None, "'update_norm' must be a finite number >= 0"),
+    ("model_norm", -1.0, None, "'model_norm' must be a finite number >= 0"),
+    ("gsnr_mean", -0.1, None, "'gsnr_mean' must be a finite number >= 0"),
+    ("gsnr_ratio", -2.0, None, "'gsnr_ratio' must be a finite number >= 0"),
+    ("n_train", 10**9, 4, "more than the 4 the client declared at the start"),
 ])
 def test_bad_training_metrics_are_refused(key, value, declared, needle):
     assert validate.validate_train_metrics(GOOD_METRICS, STEPS, 4) is None
@@ -89,10 +89,10 @@ def test_bad_training_metrics_are_refused(key, value, declared, needle):
 
 
 def test_an_eval_reply_over_zero_test_examples_is_refused():
-    good = {"task": "sorting", "n-train": 4, "n-test": 2, "truncated": 0, "rouge-l-personalized": 10.0,
-            "rouge-l-global": 9.0}
+    good = {"task": "sorting", "n_train": 4, "n_test": 2, "truncated": 0, "rouge_l_personalized": 10.0,
+            "rouge_l_global": 9.0}
     assert validate.validate_eval_metrics(good) is None
-    assert "'n-test' is 0" in validate.validate_eval_metrics({**good, "n-test": 0})
+    assert "'n_test' is 0" in validate.validate_eval_metrics({**good, "n_test": 0})
 
 
 def test_an_array_record_the_method_did_not_ask_for_is_refused(w0):
@@ -107,14 +107,15 @@ def _strategy(tiny_llama, w0, min_clients=0):
     cfg = build_config(None, {**json.loads(json.dumps(TINY)), "method": "fedavg", "lr": LR, "local_steps": STEPS,
                               "data": {**TINY["data"], "clients": ["arithmetic", "sorting", "uppercase"]}})
     strategy = MethodStrategy(method_class("fedavg")(), cfg, w0, experiment="t", min_clients=min_clients)
-    strategy.chosen = [0, 1, 2]
-    strategy.missing = {}
+    # as if round messages went to clients 0, 1, 2 (the replies come from a patched _match)
+    strategy._pending = [(SimpleNamespace(content=RecordDict()), k) for k in range(3)]
+    strategy._unreached = {}
     return strategy
 
 
 def _reply(message: dict, n_train: int = 4, extra_records: dict | None = None):
     content = RecordDict({**wire.pack(wire.MESSAGE, message), **(extra_records or {}),
-                          "metrics": MetricRecord({**GOOD_METRICS, "n-train": n_train}),
+                          "metrics": MetricRecord({**GOOD_METRICS, "n_train": n_train}),
                           "info": ConfigRecord({"task": "x"})})
     return SimpleNamespace(content=content, metadata=SimpleNamespace(src_node_id=77))
 
@@ -126,18 +127,18 @@ def test_a_poisoned_client_is_rejected_by_default_and_the_round_goes_on(tiny_lla
     strategy = _strategy(tiny_llama, w0)
     replies = {0: _reply(good), 1: _reply(poisoned), 2: _reply(good)}
     monkeypatch.setattr(strategy, "_match", lambda _: (replies, {}))
-    strategy.aggregate_train(1, [])
-    assert list(strategy.rejected) == [1] and "max-update-ratio" in strategy.rejected[1]
-    assert [k for k, _ in strategy.results] == [0, 2]
+    outcome = strategy.collect_train(1, [])
+    assert list(outcome.rejected) == [1] and "max-update-ratio" in outcome.rejected[1]
+    assert outcome.record.clients == [0, 2]
     assert all(torch.isfinite(t).all() and (t - w0[n]).abs().max() < 1 for n, t in strategy.global_params.items())
 
-    # next round: client 0 claims a larger n-train than it declared, client 2 sends an extra ArrayRecord
+    # next round: client 0 claims a larger n_train than it declared, client 2 sends an extra ArrayRecord
     moved = {"params": {n: t + 1e-3 for n, t in good["params"].items()}}  # w^1 is `good` itself
     replies = {0: _reply(moved, n_train=10**9), 1: _reply(moved),
                2: _reply(moved, extra_records={"global": ArrayRecord()})}
-    strategy.aggregate_train(2, [])
-    assert sorted(strategy.rejected) == [0, 2] and [k for k, _ in strategy.results] == [1]
-    assert "declared at the start" in strategy.rejected[0] and "unexpected ArrayRecord" in strategy.rejected[2]
+    outcome = strategy.collect_train(2, [])
+    assert sorted(outcome.rejected) == [0, 2] and outcome.record.clients == [1]
+    assert "declared at the start" in outcome.rejected[0] and "unexpected ArrayRecord" in outcome.rejected[2]
 
 
 def test_rejected_clients_do_not_count_toward_min_clients(tiny_llama, w0, monkeypatch):

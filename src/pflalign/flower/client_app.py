@@ -141,7 +141,7 @@ def _setup(msg: Message, context: Context):
 
 
 def _info(client: Client) -> dict:
-    return {"metrics": MetricRecord({"n-train": client.n_train, "n-test": len(client.data.test),
+    return {"metrics": MetricRecord({"n_train": client.n_train, "n_test": len(client.data.test),
                                      "truncated": sum(e.truncated for e in client.train)}),
             "info": ConfigRecord({"client": client.id, "task": client.name})}
 
@@ -167,8 +167,8 @@ def train(msg: Message, context: Context) -> Message:
     reply = _info(client)
     metrics = reply["metrics"]
     metrics["losses"] = [float(x) for x in result.losses]
-    metrics["update-norm"], metrics["model-norm"] = result.update_norm, result.model_norm
-    for key, value in (("gsnr-mean", result.gsnr_mean), ("gsnr-ratio", result.gsnr_ratio)):
+    metrics["update_norm"], metrics["model_norm"] = result.update_norm, result.model_norm
+    for key, value in (("gsnr_mean", result.gsnr_mean), ("gsnr_ratio", result.gsnr_ratio)):
         if value is not None:  # None (fewer than 2 steps) is left out
             metrics[key] = float(value)
     return Message(RecordDict({**wire.pack(wire.MESSAGE, result.message), **reply}), reply_to=msg)
@@ -189,8 +189,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     jobs = [("personalized", personal), ("global", global_params)] + ([("base", None)] if conf.get("base") else [])
     for label, adapter in jobs:
         score, outputs[label] = score_client(lm, test, adapter, cfg, f"eval {label} {client.name}", False)
-        reply["metrics"][f"rouge-l-{label}"] = score
-    reply["metrics"]["n-test"] = len(test)
+        reply["metrics"][f"rouge_l_{label}"] = score
+    reply["metrics"]["n_test"] = len(test)
     if conf.get("predictions"):
         ckpt.write_jsonl(folder / "predictions.jsonl", [
             {"client": client.id, "task": client.name, "prompt": ex.prompt, "reference": ex.response,

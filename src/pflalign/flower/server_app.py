@@ -125,7 +125,7 @@ def round_eval(grid: Grid, strategy: MethodStrategy, r: int, timeout: float, rec
     messages = strategy.configure_evaluate(r + 1, wire.to_record(strategy.global_params), config, grid)
     outcome = strategy.collect_evaluate(r + 1, grid.send_and_receive(messages, timeout=timeout))
     for k, s in outcome.scores.items():
-        rec.round_eval(r, k, s["task"], int(s["n-test"]), s["rouge-l-personalized"], s["rouge-l-global"])
+        rec.round_eval(r, k, s["task"], int(s["n_test"]), s["rouge_l_personalized"], s["rouge_l_global"])
 
 
 def evaluate(grid: Grid, strategy: MethodStrategy, timeout: float) -> dict:
@@ -138,8 +138,8 @@ def evaluate(grid: Grid, strategy: MethodStrategy, timeout: float) -> dict:
     if not scores:
         raise UserError("no client could be evaluated: " + "; ".join(
             f"{strategy.name(k)}: {why}" for k, why in sorted(missing.items())))
-    rows = [client_row(k, s["task"], int(s["n-train"]), int(s["n-test"]), s["rouge-l-personalized"],
-                       s["rouge-l-global"], s.get("rouge-l-base")) for k, s in scores.items()]
+    rows = [client_row(k, s["task"], int(s["n_train"]), int(s["n_test"]), s["rouge_l_personalized"],
+                       s["rouge_l_global"], s.get("rouge_l_base")) for k, s in scores.items()]
     results = results_summary(cfg, rows, sum(int(s["truncated"]) for s in scores.values()))
     results["flower"] = {
         "experiment": strategy.experiment,

@@ -221,9 +221,9 @@ class MethodStrategy(Strategy):
                             self.name(k), got[k].metadata.src_node_id, exc)
                 continue
             results.append((k, ClientRound(
-                message=message, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr-mean"),
-                gsnr_ratio=m.get("gsnr-ratio"), update_norm=m["update-norm"], model_norm=m["model-norm"])))
-            self.n_train[k] = m["n-train"]
+                message=message, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr_mean"),
+                gsnr_ratio=m.get("gsnr_ratio"), update_norm=m["update_norm"], model_norm=m["model_norm"])))
+            self.n_train[k] = m["n_train"]
         if len(results) < max(1, min(self.min_clients, sampled)):  # rejected ones do not count
             raise RoundFailed(f"round {server_round}: " + ("no valid update to aggregate" if not results else
                               f"{len(results)} valid updates, fewer than min-clients={self.min_clients}")
@@ -243,7 +243,7 @@ class MethodStrategy(Strategy):
         """Flower's hook: `collect_train`, as records."""
         outcome = self.collect_train(server_round, replies)
         losses = [loss for res in outcome.record.results for loss in res.losses]
-        return wire.to_record(self.global_params), MetricRecord({"mean-loss": sum(losses) / len(losses)})
+        return wire.to_record(self.global_params), MetricRecord({"mean_loss": sum(losses) / len(losses)})
 
     def _accept(self, content: RecordDict, k: int | None = None) -> tuple[dict[str, Params], dict]:
         """A training reply's update (cast to the adapter's dtype) and metrics, once they pass
@@ -296,7 +296,7 @@ class MethodStrategy(Strategy):
         """Flower's hook: `collect_evaluate`, averaged."""
         scores = self.collect_evaluate(server_round, replies).scores
         out = {}
-        for key in ("rouge-l-personalized", "rouge-l-global"):
+        for key in ("rouge_l_personalized", "rouge_l_global"):
             values = [s[key] for s in scores.values()]
             if values:
                 out[key] = sum(values) / len(values)

@@ -7,7 +7,7 @@ names, shapes and dtypes that the method's client rule produces
 model, its norm is within ``max-update-ratio`` times the global model's norm
 (default 10) and within ``max-update-norm`` when that bound is set, it carries
 no ArrayRecord the method did not ask for, and its metrics are well formed
-(non-negative losses, norms and GSNR; n-train no larger than the client's first).
+(non-negative losses, norms and GSNR; n_train no larger than the client's first).
 Otherwise `MethodStrategy` rejects it, logs why with the client's SuperNode
 id, and aggregates the round over the other clients (docs/distributed.md).
 
@@ -152,13 +152,13 @@ def validate_eval_metrics(scores) -> str | None:
     """Why an evaluation reply must be left out (what the server reads of it), or None."""
     if not isinstance(scores.get("task"), str):
         return "no task name"
-    for key in ("n-train", "n-test", "truncated"):
+    for key in ("n_train", "n_test", "truncated"):
         value = scores.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             return f"metric {key!r} must be a non-negative integer, got {value!r}"
-    if scores["n-test"] == 0:
-        return "metric 'n-test' is 0: a score over no test examples"
-    for key in ["rouge-l-personalized", "rouge-l-global"] + (["rouge-l-base"] if "rouge-l-base" in scores else []):
+    if scores["n_test"] == 0:
+        return "metric 'n_test' is 0: a score over no test examples"
+    for key in ["rouge_l_personalized", "rouge_l_global"] + (["rouge_l_base"] if "rouge_l_base" in scores else []):
         value = scores.get(key)
         if not (_finite_number(value) and 0 <= value <= 100):
             return f"metric {key!r} must be a ROUGE-L score in [0, 100], got {value!r}"
@@ -167,22 +167,22 @@ def validate_eval_metrics(scores) -> str | None:
 
 def validate_train_metrics(metrics, local_steps: int, n_train_declared: int | None = None) -> str | None:
     """Why a training reply's metrics must be rejected (what the server reads of them), or None.
-    `n_train_declared`: the n-train this client reported first in the run; it may not grow
+    `n_train_declared`: the n_train this client reported first in the run; it may not grow
     (its aggregation weight)."""
-    n_train = metrics.get("n-train")
+    n_train = metrics.get("n_train")
     if not isinstance(n_train, int) or isinstance(n_train, bool) or n_train < 1:
-        return f"metric 'n-train' must be a positive integer, got {n_train!r}"
+        return f"metric 'n_train' must be a positive integer, got {n_train!r}"
     if n_train_declared is not None and n_train > n_train_declared:
-        return f"metric 'n-train' is {n_train}, more than the {n_train_declared} the client declared at the start"
+        return f"metric 'n_train' is {n_train}, more than the {n_train_declared} the client declared at the start"
     losses = metrics.get("losses")
     if not isinstance(losses, list) or len(losses) != local_steps or not all(map(_finite_number, losses)):
         return f"metric 'losses' must hold {local_steps} finite numbers (one per local step)"
     if any(loss < 0 for loss in losses):
         return "metric 'losses' holds a negative loss (a cross-entropy is >= 0)"
-    for key in ("update-norm", "model-norm"):
+    for key in ("update_norm", "model_norm"):
         if not _finite_number(metrics.get(key)) or metrics[key] < 0:
             return f"metric {key!r} must be a finite number >= 0, got {metrics.get(key)!r}"
-    for key in ("gsnr-mean", "gsnr-ratio"):
+    for key in ("gsnr_mean", "gsnr_ratio"):
         if key in metrics and (not _finite_number(metrics[key]) or metrics[key] < 0):
             return f"metric {key!r} must be a finite number >= 0, got {metrics[key]!r}"
     return None
