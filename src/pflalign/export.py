@@ -116,10 +116,9 @@ def read_adapter(folder: Path) -> dict[str, torch.Tensor]:
 # ---- a run's adapters -------------------------------------------------------------
 def run_adapters(cfg, payload: dict, clients: list[str]) -> dict[str, dict]:
     """{"global": w, client name: its personalized adapter as evaluated} from a run checkpoint."""
-    from .config import method_args
-    from .methods import method_class
+    from .config import make_method
 
-    method = method_class(cfg.method)(method_args(cfg))
+    method = make_method(cfg)
     global_params = payload["global"]
     if "clients" not in payload:  # a Flower run: the personalized models stay on the clients' nodes
         return {GLOBAL: global_params}
