@@ -181,7 +181,7 @@ def test_expected_updates_follow_the_method_and_bad_metrics_are_rejected():
     scores = {"task": "sorting", "n_train": 12, "n_test": 3, "truncated": 0, "rouge_l_personalized": 50.0,
               "rouge_l_global": 40.0}
     assert validate_eval_metrics(scores) is None
-    assert "'rouge-l-global' must be a ROUGE-L score" in validate_eval_metrics({**scores, "rouge_l_global": 1e9})
+    assert "'rouge_l_global' must be a ROUGE-L score" in validate_eval_metrics({**scores, "rouge_l_global": 1e9})
     assert "'n_test' must be a non-negative integer" in validate_eval_metrics({**scores, "n_test": -1})
 
 
