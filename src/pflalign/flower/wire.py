@@ -106,10 +106,9 @@ def config_from_json(text: str) -> RunConfig:
 def client_names(cfg: RunConfig) -> list[str]:
     """The name of every client (partition-id k is the k-th); the Flower app runs today's
     federations only (one client per category), each ClientApp loading its own category."""
-    from ..data.federate import FederationOptions
-    from ..partition import client_names as names
+    from ..partition import client_names as names, uses_partitioner
 
-    if cfg.data.name == "files" or not FederationOptions.from_config(cfg.data).is_default():
+    if uses_partitioner(cfg):
         raise UserError("the Flower app runs one client per category of synthetic, dolly or flan only; "
                         "run data.name=files and data.partition/test_set options with `pflalign run`")
     return names(cfg)
