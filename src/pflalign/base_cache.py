@@ -16,6 +16,7 @@ cache and generates afresh; a damaged entry is regenerated.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 from . import checkpoint as ckpt
 
 
+@functools.cache  # read once per process: the source does not change under a running run
 def _package_source_digest() -> str:
     h = hashlib.sha256()
     for path in sorted(Path(__file__).parent.glob("*.py")):
