@@ -148,3 +148,27 @@ def test_smollm2_cached_copy_equals_its_gguf():
     direct, direct_tok = model_cache.load_gguf(path, torch.float32)
     direct_tok.pad_token = direct_tok.pad_token or direct_tok.eos_token
     assert model_cache.differences(direct, direct_tok, cached, cached_tok) == []
+
+
+@pytest.mark.parametrize("command", ["run", "sweep"])
+def test_cli_no_progress_shows_no_bar_at_all(gguf, capfd, tmp_path, command):
+    """`--no-progress` on a cold cache (the GGUF de-quantized, then its copy loaded): not one bar,
+    neither ours nor transformers' nor the de-quantization's."""
+    from transformers.utils import logging as hf_logging
+
+    from pflalign.cli import main
+    from test_cli import TINY_SET
+
+    sets = [s if not s.startswith("model=") else f"model={gguf}" for s in TINY_SET]
+    try:
+        if command == "run":
+            assert main(["run", *sets, "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+        else:
+            sweep = tmp_path / "sweep.toml"
+            sweep.write_text('methods = ["fedavg"]\nseeds = [0]\n[[datasets]]\nname = "synthetic"\nconfig = "demo"\n')
+            assert main(["sweep", "--config", str(sweep), *sets, "--out", str(tmp_path / "sweep"),
+                         "--no-progress"]) == 0
+    finally:
+        hf_logging.enable_progress_bar()
+    err = capfd.readouterr().err
+    assert "%|" not in err and "it/s" not in err and "\r" not in err, err[-2000:]

@@ -30,6 +30,14 @@ def _print_table(results: dict) -> None:
           f"{fmt(results['avg_rouge_l_global'], 8)}  {fmt(results['avg_rouge_l_base'], 8)}")
 
 
+def quiet_library_bars() -> None:
+    """--no-progress: transformers' own bars off too (weight loading; model_cache.py follows the same
+    switch for the GGUF de-quantization bar, a plain tqdm that transformers' switch does not reach)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def cmd_run(args) -> int:
     from .config import build_config, parse_set
     from .engine import run
@@ -42,10 +50,8 @@ def cmd_run(args) -> int:
     if args.resume and (args.set or args.data_dir):
         raise UserError("--resume continues with the run's saved config; drop --set/--data-dir")
     cfg = None if args.resume else build_config(args.config, overrides)
-    if args.no_progress:  # transformers' own bars (GGUF de-quantization, weight loading) too
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
+    if args.no_progress:
+        quiet_library_bars()
     results = run(cfg, Path(args.out), resume=args.resume, overwrite=args.overwrite,
                   stop_after=args.stop_after_rounds, progress=not args.no_progress)
     if results is None:
@@ -73,6 +79,9 @@ def cmd_sweep(args) -> int:
             print(f"{r.key:<40} {r.state():<10} {r.out}")
         return 0
     from .run_dir import RunLock
+
+    if args.no_progress:
+        quiet_library_bars()
 
     try:
         with RunLock(Path(args.out), "sweep"):  # one sweep at a time in a folder (each run also locks its own)

@@ -21,3 +21,10 @@ Components for ``[tool.flwr.app.components]`` (see pyproject.toml and
 docs/distributed.md): ``pflalign.flower.server_app:app`` and
 ``pflalign.flower.client_app:app``.
 """
+
+from transformers.utils import logging as _hf_logging
+
+# The apps' output is a log (the SuperNode's, the ServerApp's), where a progress bar is only
+# carriage-return noise: transformers' bars are off in every process that runs them, and with
+# them the GGUF de-quantization bar (pflalign.model_cache follows the same switch).
+_hf_logging.disable_progress_bar()
