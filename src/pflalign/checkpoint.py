@@ -82,8 +82,8 @@ def _atomic_write_unchecked(path: Path, write, before_rename=None) -> None:
         raise
 
 
-def write_json(path: Path, obj) -> None:
-    _atomic_write(path, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
+def write_json(path: Path, obj, indent: int | None = 2) -> None:
+    _atomic_write(path, lambda f: f.write((json.dumps(obj, indent=indent) + "\n").encode()))
 
 
 def write_jsonl(path: Path, rows) -> None:

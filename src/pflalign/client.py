@@ -195,13 +195,17 @@ class Client:
         return len(self.data.train)
 
 
-def make_client(k: int, data: ClientShare, tokenizer, cfg: RunConfig, state: State) -> Client:
-    """Client k with its training examples tokenized (checked against batch_size)."""
+def make_client(k: int, data: ClientShare, tokenizer, cfg: RunConfig, state: State,
+                encoded: list[Encoded] | None = None) -> Client:
+    """Client k with its training examples tokenized (checked against batch_size); `encoded`: their
+    token ids already (data_cache.client_data), else tokenized here."""
     if len(data.train) < cfg.batch_size:
         raise UserError(
             f"client {k} ({data.name}) has {len(data.train)} training examples, fewer than batch_size={cfg.batch_size}"
         )
-    return Client(k, data, [encode_train(tokenizer, ex, cfg.max_seq_len, cfg.data.template) for ex in data.train], state)
+    if encoded is None:
+        encoded = [encode_train(tokenizer, ex, cfg.max_seq_len, cfg.data.template) for ex in data.train]
+    return Client(k, data, encoded, state)
 
 
 def draw_batches(client: Client, cfg: RunConfig, pad_id: int) -> list[dict]:

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from . import allocator, export, run_dir, tensorboard
 from .client import Client, make_client, score_client, train_client
 from .config import RunConfig, make_method
+from .data_cache import client_data
 from .errors import RunInterrupted, TrainingDiverged, UserError
 from .evaluate import add_exact_match
 from .lifecycle import Recorder, RoundRecord, client_row, results_summary, sample_clients
@@ -48,7 +49,10 @@ class Federation:
         self.clients = []
         self.truncated = 0
         for k, share in enumerate(shares):
-            client = make_client(k, share, self.lm.tokenizer, cfg, self.method.init_client_state(self.global_params))
+            # today's federations: token ids from the host's cache (data_cache.py), tokenized on a miss
+            encoded = client_data(cfg, self.lm.tokenizer, k, share=share)[1] if self.data_info is None else None
+            client = make_client(k, share, self.lm.tokenizer, cfg, self.method.init_client_state(self.global_params),
+                                 encoded)
             self.truncated += sum(e.truncated for e in client.train)
             self.clients.append(client)
         if self.truncated:

@@ -1,0 +1,167 @@
+"""A client's data, read and tokenized once per host.
+
+The Flower Deployment Engine starts a fresh ClientApp process for every
+message; each read its client's share of the dataset (Dolly: a 13 MB JSON-lines
+file) and tokenized its training examples again (Dolly's largest client:
+about 0.4 s; the chat template runs per example). The result is kept in
+``$PFLALIGN_CACHE/tokenized/<key>.json`` (``~/.cache/pflalign``): the client's
+name, its train and test examples and their token ids. ``pflalign run`` uses
+it too.
+
+The key covers everything the entry depends on: the SHA-256 of every data
+file the loader reads (FLAN's ``local_training_*.json`` and ``test.jsonl``,
+the Dolly ``.jsonl``; the synthetic federation has none), the ``data.*``
+settings but the path (the files' content stands for it), which client,
+``max_seq_len``, the tokenizer (its serialized vocabulary, merges and
+normalisation, its chat template, special tokens and class), the
+transformers and tokenizers versions and this package's source (the loaders,
+the prompt format). It is stored in the entry and compared on every read;
+entries are written atomically (checkpoint.write_json), so a half-written
+one never has the final name and a damaged or foreign one is rebuilt.
+Federations this does not cover (``data.name=files``, partitions, a Dolly hub
+id) are read and tokenized as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from . import checkpoint as ckpt
+from .config import RunConfig
+from .data import Example
+from .partition import ClientShare, client_shares, uses_partitioner
+from .prompts import Encoded, encode_train
+
+log = logging.getLogger(__name__)
+FORMAT = 1  # the entry's layout; bump to invalidate every entry
+
+
+@functools.cache  # once per process: the source does not change under a running process
+def package_source_digest() -> str:
+    """SHA-256 of every module of this package (a change of a loader or of the prompt format
+    must not reuse old entries)."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def tokenizer_digest(tokenizer) -> str | None:
+    """SHA-256 of what a tokenizer's ids depend on (about 20 ms for SmolLM2's; kept on the
+    tokenizer); None for a tokenizer without a serializable backend (not cached)."""
+    cached = getattr(tokenizer, "_pflalign_digest", None)
+    if cached is not None:
+        return cached
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    import tokenizers
+    import transformers
+
+    h = hashlib.sha256(json.dumps({
+        "class": type(tokenizer).__name__, "chat_template": tokenizer.chat_template,
+        "special": {k: str(v) for k, v in tokenizer.special_tokens_map.items()},
+        "ids": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
+        "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+    }, sort_keys=True).encode())
+    h.update(backend.to_str().encode())
+    tokenizer._pflalign_digest = digest = h.hexdigest()
+    return digest
+
+
+def data_files(cfg: RunConfig, data_dir: str | None) -> list[Path] | None:
+    """The files the loader reads for this federation, in order; None where this cache does not
+    apply (a partitioned federation, data.name=files, a hub id, a missing file: those load as before)."""
+    if uses_partitioner(cfg):
+        return None
+    name = cfg.data.name
+    if name == "synthetic":
+        return [] if not data_dir else None
+    if not data_dir:
+        return None
+    source = Path(data_dir)
+    if name == "flan":
+        from .data.flan import TEST_FILENAME, _TRAINING_FILE
+
+        if not source.is_dir():
+            return None
+        train = sorted((int(m.group(1)), p) for p in source.iterdir()
+                       if (m := _TRAINING_FILE.fullmatch(p.name)) and p.is_file())
+        files = [p for _, p in train] + [source / TEST_FILENAME]
+    elif name == "dolly":
+        from .data.dolly import DOLLY_FILENAME
+
+        files = [source / DOLLY_FILENAME if source.is_dir() else source]
+    else:
+        return None
+    return files if all(p.is_file() for p in files) else None
+
+
+def cache_key(cfg: RunConfig, tokenizer, k: int, data_dir: str | None) -> dict | None:
+    files = data_files(cfg, data_dir)
+    tok = tokenizer_digest(tokenizer)
+    if files is None or tok is None:
+        return None
+    data = {key: value for key, value in dataclasses.asdict(cfg.data).items() if key != "dir"}
+    return {"format": FORMAT, "files": [[p.name, file_sha256(p)] for p in files], "data": data, "client": k,
+            "max_seq_len": cfg.max_seq_len, "tokenizer": tok, "source": package_source_digest()}
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def entry_path(key: dict) -> Path:
+    from .model import cache_dir
+
+    return cache_dir() / "tokenized" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".json")
+
+
+def _read(path: Path, key: dict) -> tuple[ClientShare, list[Encoded]] | None:
+    """The entry at `path` if it is complete and for `key`; None otherwise (absent, damaged, foreign)."""
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("key") != key:
+            return None
+        share = ClientShare(saved["name"], [Example(p, r) for p, r in saved["train"]],
+                            [Example(p, r) for p, r in saved["test"]])
+        encoded = [Encoded(list(ids), list(labels), bool(cut)) for ids, labels, cut in saved["encoded"]]
+        if len(encoded) != len(share.train):
+            return None
+        return share, encoded
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def encode(share: ClientShare, tokenizer, cfg: RunConfig) -> list[Encoded]:
+    return [encode_train(tokenizer, ex, cfg.max_seq_len, cfg.data.template) for ex in share.train]
+
+
+def client_data(cfg: RunConfig, tokenizer, k: int, data_dir: str | None = None,
+                share: ClientShare | None = None) -> tuple[ClientShare, list[Encoded]]:
+    """Client k's share and its training examples' token ids: from the cache, else loaded
+    (`share` when the caller has it already; else client k's alone, `client_shares(..., which=[k])`)
+    and tokenized, then cached. `data_dir` None: ``data.dir``."""
+    data_dir = cfg.data.dir if data_dir is None else data_dir
+    key = cache_key(cfg, tokenizer, k, data_dir)
+    path = entry_path(key) if key is not None else None
+    if path is not None and (hit := _read(path, key)) is not None:
+        return hit
+    if share is None:
+        (share,) = client_shares(cfg, data_dir, which=[k])
+    encoded = encode(share, tokenizer, cfg)
+    if path is not None:
+        try:
+            ckpt.write_json(path, indent=None, obj={"key": key, "name": share.name,
+                                   "train": [[e.prompt, e.response] for e in share.train],
+                                   "test": [[e.prompt, e.response] for e in share.test],
+                                   "encoded": [[e.input_ids, e.labels, e.truncated] for e in encoded]})
+        except (OSError, ckpt.DiskFull) as exc:  # a read-only or full cache costs time, never the run
+            log.warning("cannot write the tokenized-data cache %s (%s)", path, exc)
+    return share, encoded
