@@ -41,14 +41,19 @@ Measured, per engine (wall clock, ``time.monotonic``):
   ``other_s`` = ``run_s`` - both: everything before the first round (imports,
   data, model, the app's start and connection, Ray) and the last writes;
   ``round_s``: each round's ``seconds`` (metrics.jsonl);
-* ``bytes_to_clients`` / ``bytes_from_clients`` per round: the tensor payload of
-  the round's messages (array data and names, Flower's framing not counted).
-  Flower: the ServerApp's count in metrics.jsonl. In-process nothing crosses a
-  wire; the figure is computed with the same encoding
-  (`pflalign.flower.wire.payload_bytes`) on the messages the Flower app would
-  exchange, built with the run's method (``broadcast``, ``client_start``,
-  ``client_end``) from the run's final adapter and client states (sizes depend
-  only on the tensors' names and shapes), times each round's participants;
+* ``bytes_to_clients`` / ``bytes_from_clients`` per round, read off the finished
+  run: the ServerApp's count of the round's messages in ``metrics.jsonl`` (the
+  tensor payload: array data and names, Flower's framing not counted). None
+  in-process, where nothing is sent;
+* ``wire_bytes_to_clients`` / ``wire_bytes_from_clients`` (Deployment Engine
+  only): the bytes that crossed the SuperNodes' TCP connections to the
+  SuperLink, the kernel's own counts (``ss -tinp``: ``bytes_received`` and
+  ``bytes_acked`` of every connection of a SuperNode process to the SuperLink's
+  port, polled every 0.5 s during the run): everything Flower sends between
+  the machines of a real deployment (protobuf, gRPC and HTTP/2 framing,
+  heartbeats, the app bundle), per round (from the launch, or the previous
+  round's line in ``metrics.jsonl``, to this round's line) and for the final
+  evaluation (``wire_bytes_eval``: to ``results.json``);
 * ``max_abs_diff``: the largest |difference| between the final global adapter
   (``checkpoint.pt``'s ``global``) and the first engine's (the in-process one by
   default); ``same`` when the names match and it is at most 1e-6 (the Flower
@@ -70,11 +75,12 @@ bundle that ``flwr run`` sends.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
+import re
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -82,11 +88,9 @@ from pathlib import Path
 
 import flwr
 import torch
-from flwr.app import RecordDict
 
 from pflalign import checkpoint as ckpt
-from pflalign.config import build_config, make_method, parse_set, to_dict
-from pflalign.flower import wire
+from pflalign.config import build_config, parse_set, to_dict
 from pflalign.flower.cluster import Cluster, Processes
 from pflalign.partition import client_names
 
@@ -106,12 +110,72 @@ def resolve(data_dir: Path, items: list[str]) -> dict:
     return to_dict(cfg)
 
 
-def wait_for_results(out: Path, procs: Processes, name: str, t0: float, timeout: float) -> tuple[float, float]:
-    """Seconds from t0 until results.json exists, and until process `name` exits."""
-    proc, found = procs.procs[name], None
+class WireMeter:
+    """The bytes on the TCP connections of some processes (the SuperNodes) to one port (the
+    SuperLink's), from the kernel's per-socket counters (`ss -tinp`), snapshotted at round ends."""
+
+    SOCKET = re.compile(r"^\S+\s+\S+\s+(\S+):(\d+)\s+(\S+):(\d+)\s+users:\(\(.*?pid=(\d+)")
+
+    def __init__(self, pids: set[int], port: int):
+        self.pids, self.port = pids, port
+        self.seen: dict[tuple, tuple[int, int]] = {}  # socket -> (received, sent): its last counts
+        self.marks: list[tuple[int, int]] = []
+        self.last_poll = 0.0
+
+    def poll(self) -> None:
+        text = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True, text=True).stdout
+        lines = text.splitlines()
+        for head, info in zip(lines, lines[1:]):
+            m = self.SOCKET.match(head)
+            if not m or int(m.group(5)) not in self.pids or int(m.group(4)) != self.port:
+                continue
+            got = dict(re.findall(r"(bytes_received|bytes_acked):(\d+)", info))
+            sock = (m.group(1), m.group(2), m.group(3), m.group(4), m.group(5))
+            self.seen[sock] = (int(got.get("bytes_received", 0)), int(got.get("bytes_acked", 0)))
+        self.last_poll = time.monotonic()
+
+    def total(self) -> tuple[int, int]:
+        return sum(r for r, _ in self.seen.values()), sum(s for _, s in self.seen.values())
+
+    def mark(self) -> None:
+        self.poll()
+        self.marks.append(self.total())
+
+    def tick(self) -> None:
+        if time.monotonic() - self.last_poll >= 0.5:
+            self.poll()
+
+    def summary(self) -> dict:
+        """Per round (marks 0..R: launch, round ends) and the evaluation (last mark: results.json)."""
+        steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(self.marks, self.marks[1:])]
+        return {"wire_bytes_to_clients": [r for r, _ in steps[:-1]], "wire_bytes_from_clients": [s for _, s in steps[:-1]],
+                "wire_bytes_eval": {"to_clients": steps[-1][0], "from_clients": steps[-1][1]},
+                "wire_source": "ss -tinp: bytes_received / bytes_acked of the SuperNode processes' TCP connections "
+                               "to the SuperLink port; per round from the launch or the previous round's line"}
+
+
+def round_count(out: Path) -> int:
+    try:
+        return sum('"event": "round"' in line for line in (out / ckpt.METRICS).read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def wait_for_results(out: Path, procs: Processes, name: str, t0: float, timeout: float,
+                     meter: WireMeter | None = None) -> tuple[float, float]:
+    """Seconds from t0 until results.json exists, and until process `name` exits (`meter`: marked
+    at each new round line and at results.json)."""
+    proc, found, rounds = procs.procs[name], None, 0
     while found is None:
+        if meter is not None:
+            meter.tick()
+            if (now := round_count(out)) > rounds:
+                rounds = now
+                meter.mark()
         if (out / ckpt.RESULTS).exists():
             found = time.monotonic() - t0
+            if meter is not None:
+                meter.mark()
         elif proc.poll() is not None:
             raise RuntimeError(f"{name} exited with {proc.returncode} without results:\n{procs.log(name)[-4000:]}")
         elif time.monotonic() - t0 > timeout:
@@ -144,59 +208,47 @@ def run_engine(engine: str, root: Path, config: Path, clients: int, timeout: flo
                 for k in range(clients):
                     procs.start_node(k)
             startup = time.monotonic() - tic
+        meter = None
+        if engine == "deployment":
+            meter = WireMeter({procs.procs[f"node{k}"].pid for k in range(clients)}, procs.link_port)
+            meter.mark()
         t0 = time.monotonic()
         if engine == "inprocess":
             procs.start("run", [sys.executable, "-m", "pflalign", "run", "--config", str(config), "--out", str(out),
                                 "--no-progress"])
         else:
             procs.flwr_run({"config": str(config), "out": str(out), "client-dir": str(root / "clients")}, "run")
-        run_s, exit_s = wait_for_results(out, procs, "run", t0, timeout)
+        run_s, exit_s = wait_for_results(out, procs, "run", t0, timeout, meter)
     finally:
         procs.close()
     left = procs.leftovers()
     if left:
         print(f"warning: {engine}: still running after close: {left}", file=sys.stderr)
-    return {"startup_s": startup, "run_s": run_s, "exit_s": exit_s, "out": out}
+    return {"startup_s": startup, "run_s": run_s, "exit_s": exit_s, "out": out,
+            "wire": meter.summary() if meter is not None else {}}
 
 
 def round_lines(out: Path) -> list[dict]:
     return [row for row in map(json.loads, (out / ckpt.METRICS).read_text().splitlines()) if row["event"] == "round"]
 
 
-def inprocess_payload(out: Path) -> list[tuple[int, int]]:
-    """(bytes to, bytes from the clients) per round of an in-process run: see the module docstring."""
-    cfg = build_config(None, json.loads((out / ckpt.CONFIG).read_text()))
-    method = make_method(cfg)
-    saved = ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
-    w = saved["global"]
-    broadcast = method.broadcast(w, copy.deepcopy(saved["server_state"]))
-    down = wire.payload_bytes(RecordDict({wire.GLOBAL: wire.to_record(w), **wire.pack(wire.BROADCAST, broadcast)}))
-    up = []
-    for client in saved["clients"]:
-        state = copy.deepcopy(client["state"])
-        params = method.client_start(w, state, copy.deepcopy(broadcast))
-        up.append(wire.payload_bytes(RecordDict(wire.pack(wire.MESSAGE, method.client_end(w, params, state)))))
-    return [(down * len(row["clients"]), sum(up[k] for k in row["clients"])) for row in round_lines(out)]
-
-
 def summarize(engine: str, measured: dict) -> dict:
     out = measured["out"]
     results = json.loads((out / ckpt.RESULTS).read_text())
     rounds = round_lines(out)
-    if engine == "inprocess":
-        payload = inprocess_payload(out)
-        source = ("computed: pflalign.flower.wire.payload_bytes of the messages the Flower app would send, "
-                  "built with the method from the run's final adapter and client states, x each round's participants")
+    if engine == "inprocess":  # one process: no message is sent
+        down = up = None
+        source = "in-process: no messages"
     else:
-        payload = [(row["bytes_to_clients"], row["bytes_from_clients"]) for row in rounds]
+        down, up = [row["bytes_to_clients"] for row in rounds], [row["bytes_from_clients"] for row in rounds]
         source = "metrics.jsonl: the ServerApp's count of the round's messages (ArrayRecord bytes: data and names)"
     return {
         "startup_s": measured["startup_s"], "run_s": measured["run_s"], "exit_s": measured["exit_s"],
         "train_s": results["seconds_train_this_session"], "eval_s": results["seconds_eval"],
         "other_s": measured["run_s"] - results["seconds_train_this_session"] - results["seconds_eval"],
         "round_s": [row["seconds"] for row in rounds],
-        "bytes_to_clients": [down for down, _ in payload], "bytes_from_clients": [up for _, up in payload],
-        "bytes_source": source,
+        "bytes_to_clients": down, "bytes_from_clients": up, "bytes_source": source,
+        **measured.get("wire", {}),
         "avg_rouge_l_personalized": results["avg_rouge_l_personalized"],
         "avg_rouge_l_global": results["avg_rouge_l_global"],
     }
@@ -209,7 +261,9 @@ def compare(reference: dict, other: dict) -> dict:
     return {"same": diff <= TOLERANCE, "max_abs_diff": diff}
 
 
-def megabytes(values: list[int]) -> str:
+def megabytes(values: list[int] | None) -> str:
+    if values is None:
+        return "-"
     shown = sorted({f"{v / 1e6:.3f}" for v in values})
     return "/".join(shown) + " MB"
 
@@ -217,13 +271,15 @@ def megabytes(values: list[int]) -> str:
 def print_table(report: dict) -> None:
     ref = report["reference"]
     head = ("engine", "startup s", "run s", "train s", "eval s", "other s", "exit s", "to clients/round",
-            "from clients/round", f"max|Δw| vs {ref}")
+            "from clients/round", "TCP to/from clients/round", f"max|Δw| vs {ref}")
     rows = [head]
     for engine, r in report["engines"].items():
         diff = "-" if engine == ref else ("n/a" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.2e}")
         rows.append((engine, f"{r['startup_s']:.1f}", f"{r['run_s']:.1f}", f"{r['train_s']:.1f}", f"{r['eval_s']:.1f}",
                      f"{r['other_s']:.1f}", f"{r['exit_s']:.1f}", megabytes(r["bytes_to_clients"]),
-                     megabytes(r["bytes_from_clients"]), diff))
+                     megabytes(r["bytes_from_clients"]),
+                     f"{megabytes(r['wire_bytes_to_clients'])} / {megabytes(r['wire_bytes_from_clients'])}"
+                     if "wire_bytes_to_clients" in r else "-", diff))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
@@ -282,7 +338,7 @@ def main() -> int:
     print()
     print_table(report)
     print(f"\n{clients} clients; run s: launch until results.json; bytes: tensor payload per round "
-          f"(in-process: computed, see the JSON); wrote {args.out}")
+          f"(the ServerApp's count; TCP: the SuperNodes' connections, see the JSON); wrote {args.out}")
     differ = [e for e, r in report["engines"].items() if not r["same"]]
     if differ:
         print(f"error: the final global adapter of {', '.join(differ)} differs from {engines[0]}'s", file=sys.stderr)

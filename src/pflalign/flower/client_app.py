@@ -36,12 +36,19 @@ a resumed run, and they leave the personalized adapter on the client's
 host. Nothing of them leaves the host.
 
 Within one process (the Simulation Engine's Ray actors) the model and the
-client's tokenized data are built once and reused across messages.
+client's tokenized data are built once and reused across messages. Across
+processes (the Deployment Engine starts one per message) they come from the
+host's caches: the model's de-quantized safetensors copy, memory-mapped
+(`pflalign.model_cache`), and this client's examples with their token ids
+(`pflalign.data_cache`); a process loads client k's data alone. Its first
+train message logs how long after the process started its first local step
+began (benchmarks/README.md has the figures).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -52,7 +59,7 @@ from ..client import Client, make_client, score_client, train_client
 from ..config import RunConfig, make_method
 from ..errors import UserError
 from ..model import FederatedLM, build_model, cache_dir
-from ..partition import client_shares
+from ..data_cache import client_data
 from . import wire
 
 log = logging.getLogger("flwr.pflalign")
@@ -94,9 +101,9 @@ def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]
     data_dir = context.node_config.get("data-dir") or cfg.data.dir
     data_key = repr((model_key, k, cfg.data, data_dir, cfg.batch_size, cfg.max_seq_len))
 
-    def load():
-        (share,) = client_shares(cfg, data_dir, which=[k])
-        return make_client(k, share, lm.tokenizer, cfg, state={})
+    def load():  # client k's data alone, tokenized once per host (data_cache.py)
+        share, encoded = client_data(cfg, lm.tokenizer, k, data_dir)
+        return make_client(k, share, lm.tokenizer, cfg, state={}, encoded=encoded)
 
     client = _cached(data_key, load)
     return lm, Client(client.id, client.data, client.train, state={})  # fresh state, shared data
@@ -153,9 +160,25 @@ def query(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"info": ConfigRecord({"partition-id": k, "num-partitions": n})}), reply_to=msg)
 
 
+def _process_age() -> float | None:
+    """Seconds since this process started (the kernel's start time), None if unknown."""
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:  # psutil missing (it comes with the flower extra) or no such information
+        return None
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    tic = time.perf_counter()
+    first = not _CACHE  # this process's first message: it loads the model and the data
     cfg, conf, lm, client, method, folder = _setup(msg, context)
+    age = _process_age()
+    if first and age is not None:  # the cost of Flower's process per message (benchmarks/README.md)
+        log.info("client %d (%s): first local step %.1f s after its ClientApp process started (setup %.1f s)",
+                 client.id, client.name, age, time.perf_counter() - tic)
     dtype, device = next(iter(lm.lora.values())).dtype, lm.device
     global_params = wire.from_record(msg.content[wire.GLOBAL], dtype, device)
     received = wire.unpack(msg.content, wire.BROADCAST, dtype, device)
