@@ -114,9 +114,12 @@ def cmd_methods(args) -> int:
 
 
 def cmd_fetch_model(args) -> int:
-    from .model import fetch_embedded_model
+    from .model import fetch_embedded_model, load_base_model
 
-    print(fetch_embedded_model(args.name))
+    path = fetch_embedded_model(args.name)
+    # de-quantized once now (float32, the default dtype), so that no run or ClientApp on this host waits for it
+    load_base_model(args.name)
+    print(path)
     return 0
 
 
@@ -161,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     methods.add_argument("-l", "--long", action="store_true", help="with one line of description")
     methods.set_defaults(func=cmd_methods)
 
-    fetch = sub.add_parser("fetch-model", help="download an embedded model into the cache")
+    fetch = sub.add_parser("fetch-model", help="download an embedded model into the cache and de-quantize it there once")
     fetch.add_argument("name", nargs="?", default="smollm2-135m")
     fetch.set_defaults(func=cmd_fetch_model)
 
