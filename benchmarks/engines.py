@@ -286,6 +286,14 @@ def print_table(report: dict) -> None:
     print("\n".join(lines))
 
 
+def git_commit() -> str | None:
+    """The measured code's commit, with "+dirty" when tracked files differ from it."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "HEAD")
+    return (head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) or None
+
+
 def _sigterm(signum, frame):
     raise KeyboardInterrupt
 
@@ -310,6 +318,7 @@ def main() -> int:
     clients = len(client_names(build_config(None, config)))
     report = {
         "command": sys.argv,
+        "commit": git_commit(),
         "config": config,
         "clients": clients,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
