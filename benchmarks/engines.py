@@ -54,6 +54,11 @@ Measured, per engine (wall clock, ``time.monotonic``):
   heartbeats, the app bundle), per round (from the launch, or the previous
   round's line in ``metrics.jsonl``, to this round's line) and for the final
   evaluation (``wire_bytes_eval``: to ``results.json``);
+* ``machine_load``: the CPU seconds every process on the machine used during
+  the engine's run (``/proc/stat``), those of this benchmark's own finished
+  processes (``getrusage``), the rest (``other_cpu_s``: other work on the
+  machine, and Flower's detached SuperExec), and the 1-minute load average
+  before and after: how quiet the machine was;
 * ``max_abs_diff``: the largest |difference| between the final global adapter
   (``checkpoint.pt``'s ``global``) and the first engine's (the in-process one by
   default); ``same`` when the names match and it is at most 1e-6 (the Flower
@@ -192,8 +197,24 @@ def deployment_threads(clients: int) -> str:
     return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // clients))
 
 
+def machine_cpu_seconds() -> float:
+    """CPU seconds every process on the machine has used since boot (all cores; /proc/stat)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4))  # all but idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and its finished descendants (the runs' processes, once reaped)."""
+    import resource
+
+    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+
+
 def run_engine(engine: str, root: Path, config: Path, clients: int, timeout: float) -> dict:
     out = root / "out"
+    busy0, own0, load0 = machine_cpu_seconds(), own_cpu_seconds(), os.getloadavg()[0]
     if engine == "inprocess":
         procs = Processes(root)
     else:
@@ -224,7 +245,12 @@ def run_engine(engine: str, root: Path, config: Path, clients: int, timeout: flo
     left = procs.leftovers()
     if left:
         print(f"warning: {engine}: still running after close: {left}", file=sys.stderr)
-    return {"startup_s": startup, "run_s": run_s, "exit_s": exit_s, "out": out,
+    busy, own = machine_cpu_seconds() - busy0, own_cpu_seconds() - own0
+    # how busy the machine was with other work meanwhile (Flower's detached processes, e.g. the
+    # SuperExec, count as other work: their CPU is not reaped by this process)
+    machine = {"machine_cpu_s": busy, "own_cpu_s": own, "other_cpu_s": busy - own,
+               "loadavg_1min_before_after": [load0, os.getloadavg()[0]]}
+    return {"startup_s": startup, "run_s": run_s, "exit_s": exit_s, "out": out, "machine": machine,
             "wire": meter.summary() if meter is not None else {}}
 
 
@@ -244,6 +270,7 @@ def summarize(engine: str, measured: dict) -> dict:
         source = "metrics.jsonl: the ServerApp's count of the round's messages (ArrayRecord bytes: data and names)"
     return {
         "startup_s": measured["startup_s"], "run_s": measured["run_s"], "exit_s": measured["exit_s"],
+        "machine_load": measured["machine"],
         "train_s": results["seconds_train_this_session"], "eval_s": results["seconds_eval"],
         "other_s": measured["run_s"] - results["seconds_train_this_session"] - results["seconds_eval"],
         "round_s": [row["seconds"] for row in rounds],
@@ -341,7 +368,9 @@ def main() -> int:
             finals[engine] = ckpt.load_checkpoint(measured["out"] / ckpt.CHECKPOINT)["global"]
             report["engines"][engine].update(compare(finals[engines[0]], finals[engine]))
             r = report["engines"][engine]
-            print(f"{engine}: startup {r['startup_s']:.1f} s, run {r['run_s']:.1f} s", flush=True)
+            load = r["machine_load"]
+            print(f"{engine}: startup {r['startup_s']:.1f} s, run {r['run_s']:.1f} s (CPU: machine "
+                  f"{load['machine_cpu_s']:.0f} s, ours {load['own_cpu_s']:.0f} s)", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print()
