@@ -51,8 +51,11 @@ import logging
 import time
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.client.mod import fixedclipping_mod as legacy_fixedclipping_mod, secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.clientapp.mod import fixedclipping_mod
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from .. import checkpoint as ckpt, export
 from ..client import Client, make_client, score_client, train_client
@@ -60,10 +63,33 @@ from ..config import RunConfig, make_method
 from ..errors import UserError
 from ..model import FederatedLM, build_model, cache_dir
 from ..data_cache import client_data
-from . import wire
+from . import privacy, wire
 
 log = logging.getLogger("flwr.pflalign")
-app = ClientApp()
+
+
+def privacy_mods(msg: Message, context: Context, call_next) -> Message:
+    """Flower's mods for the privacy options (privacy.py), on the training messages that ask
+    for them: a SecAgg+ stage (its ConfigRecord ``secaggplus_configs``) goes through
+    `secaggplus_mod`, which calls this app only in the stage that collects the masked upload;
+    a ``clipping_norm`` in the message's config (DP) puts Flower's `fixedclipping_mod` around
+    the app (its legacy twin inside SecAgg+, whose messages have the legacy layout), so the
+    upload is clipped before it is masked or sent. Other messages go straight to the app."""
+    if msg.metadata.message_type != MessageType.TRAIN:
+        return call_next(msg, context)
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        def clipped(inner: Message, ctx: Context) -> Message:
+            if privacy.KEY_CLIPPING_NORM in inner.content.config_records[privacy.LEGACY_FITINS]:
+                return legacy_fixedclipping_mod(inner, ctx, call_next)
+            return call_next(inner, ctx)
+        return secaggplus_mod(msg, context, clipped)
+    config = msg.content.config_records.get("config")
+    if config is not None and privacy.KEY_CLIPPING_NORM in config:
+        return fixedclipping_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+app = ClientApp(mods=[privacy_mods])
 _CACHE: dict[str, object] = {}  # model and data, per process (reused by the Simulation Engine's actors)
 
 
@@ -137,8 +163,8 @@ def save_state(folder: Path, n: int, client: Client) -> None:
             old.unlink(missing_ok=True)
 
 
-def _setup(msg: Message, context: Context):
-    conf = msg.content["config"]
+def _setup(msg: Message, context: Context, conf: ConfigRecord | None = None):
+    conf = msg.content["config"] if conf is None else conf
     cfg = wire.config_from_json(str(conf["cfg"]))
     lm, client = build_client(cfg, context)
     method = make_method(cfg)
@@ -172,16 +198,24 @@ def _process_age() -> float | None:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    """One round. Under SecAgg+ the message and the reply have Flower's legacy FitIns/FitRes
+    layout (privacy.py): the same round, with w^r from ``fitins.parameters`` and the upload
+    (masked by `secaggplus_mod` after this returns) in ``fitres.parameters``."""
     tic = time.perf_counter()
     first = not _CACHE  # this process's first message: it loads the model and the data
-    cfg, conf, lm, client, method, folder = _setup(msg, context)
+    secagg = privacy.LEGACY_FITINS in msg.content.config_records
+    conf, w = privacy.fitins_parts(msg.content) if secagg else (None, None)
+    cfg, conf, lm, client, method, folder = _setup(msg, context, conf)
     age = _process_age()
     if first and age is not None:  # the cost of Flower's process per message (benchmarks/README.md)
         log.info("client %d (%s): first local step %.1f s after its ClientApp process started (setup %.1f s)",
                  client.id, client.name, age, time.perf_counter() - tic)
     dtype, device = next(iter(lm.lora.values())).dtype, lm.device
-    global_params = wire.from_record(msg.content[wire.GLOBAL], dtype, device)
-    received = wire.unpack(msg.content, wire.BROADCAST, dtype, device)
+    if secagg:
+        global_params, received = {n: t.to(device=device, dtype=dtype) for n, t in w.items()}, {}
+    else:
+        global_params = wire.from_record(msg.content[wire.GLOBAL], dtype, device)
+        received = wire.unpack(msg.content, wire.BROADCAST, dtype, device)
     r = int(conf["round"])
     result = train_client(lm, method, client, global_params, received, cfg, r)
     save_state(folder, int(conf["done"]) + 1, client)
@@ -194,6 +228,9 @@ def train(msg: Message, context: Context) -> Message:
     for key, value in (("gsnr_mean", result.gsnr_mean), ("gsnr_ratio", result.gsnr_ratio)):
         if value is not None:  # None (fewer than 2 steps) is left out
             metrics[key] = float(value)
+    if secagg:
+        return Message(privacy.fitres_reply(result.message, client.n_train,
+                                            {k: v for k, v in metrics.items() if k != "n_train"}), reply_to=msg)
     return Message(RecordDict({**wire.pack(wire.MESSAGE, result.message), **reply}), reply_to=msg)
 
 

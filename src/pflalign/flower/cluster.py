@@ -1,7 +1,7 @@
 """A Flower federation on this machine, for the tests and the benchmarks: a
 SuperLink (Deployment Engine, or Simulation Engine with ``simulation=True``)
-and SuperNodes as real processes on 127.0.0.1 (insecure), `flwr run` of this
-repository's app, and a clean stop.
+and SuperNodes as real processes on 127.0.0.1 (insecure, or with TLS and
+SuperNode authentication), `flwr run` of this repository's app, and a clean stop.
 
 Every process is started in its own session and tracked together with the
 processes it starts (SuperExec, the ServerApp and ClientApp processes, Ray),
@@ -149,29 +149,54 @@ class Cluster(Processes):
 
     `clients`: the run's number of clients (the SuperNodes' ``num-partitions``; with
     `simulation`, ``num-supernodes``); `client_cpus`: the Simulation Engine's
-    ``client-resources-num-cpus``."""
+    ``client-resources-num-cpus``.
+
+    `tls`: a folder with ``ca.crt``, ``server.pem`` and ``server.key`` (a server
+    certificate for 127.0.0.1 signed by that CA): the SuperLink serves TLS, the
+    SuperNodes and `flwr` trust the CA; with `node_auth` too, the SuperLink runs with
+    ``--enable-supernode-auth`` and a SuperNode connects with its private key
+    (`start_node`'s `key`), once its public key is registered (`register`)."""
 
     def __init__(self, root: Path, app: Path, clients: int, simulation: bool = False, client_cpus: int = 1,
-                 env: dict | None = None):
+                 env: dict | None = None, tls: Path | None = None, node_auth: bool = False):
         home = Path(root) / "flwr-home"
         super().__init__(root, {"FLWR_HOME": str(home), **(env or {})})
         self.app, self.clients, self.simulation, self.client_cpus = Path(app), clients, simulation, client_cpus
+        self.tls, self.node_auth = (Path(tls) if tls else None), node_auth
+        if node_auth and not tls:
+            raise ValueError("SuperNode authentication needs TLS")
         self.link_port = free_port()
         home.mkdir(parents=True, exist_ok=True)
+        security = f'root-certificates = "{self.tls / "ca.crt"}"' if self.tls else "insecure = true"
         (home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-                                          f'address = "127.0.0.1:{self.link_port}"\ninsecure = true\n')
+                                          f'address = "127.0.0.1:{self.link_port}"\n{security}\n')
 
     def start_link(self) -> None:
-        args = [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(self.link_port),
+        if self.tls:
+            security = ["--ssl-ca-certfile", str(self.tls / "ca.crt"), "--ssl-certfile", str(self.tls / "server.pem"),
+                        "--ssl-keyfile", str(self.tls / "server.key")]
+            security += ["--enable-supernode-auth"] if self.node_auth else []
+        else:
+            security = ["--insecure"]
+        args = [str(BIN / "flower-superlink"), *security, "--host", "127.0.0.1", "--port", str(self.link_port),
                 "--disable-runtime-dependency-installation"]
         self.start("superlink", args + (["--simulation"] if self.simulation else []), self.link_port)
 
-    def start_node(self, k: int) -> None:
-        """The SuperNode of client k (partition-id k), its state in `state_dir(k)`."""
+    def start_node(self, k: int, key: Path | None = None, name: str | None = None) -> None:
+        """The SuperNode of client k (partition-id k), its state in `state_dir(k)`; `key`: its
+        private key (SuperNode authentication); `name`: its process name (default node<k>)."""
         port = free_port()
         config = f'partition-id={k} num-partitions={self.clients} state-dir="{self.state_dir(k)}"'
-        self.start(f"node{k}", [str(BIN / "flower-supernode"), "--insecure", "--superlink",
-                                f"127.0.0.1:{self.link_port}", "--port", str(port), "--node-config", config], port)
+        security = ["--root-certificates", str(self.tls / "ca.crt")] if self.tls else ["--insecure"]
+        security += ["--auth-supernode-private-key", str(key)] if key else []
+        self.start(name or f"node{k}", [str(BIN / "flower-supernode"), *security, "--superlink",
+                                        f"127.0.0.1:{self.link_port}", "--port", str(port), "--node-config", config],
+                   port)
+
+    def register(self, public_key: Path) -> str:
+        """`flwr supernode register` of a SuperNode's public key (OpenSSH format); its output."""
+        return subprocess.run([str(BIN / "flwr"), "supernode", "register", str(public_key), CONNECTION],
+                              env=self.env, cwd=self.root, capture_output=True, text=True, check=True).stdout
 
     def state_dir(self, k: int) -> Path:
         return self.root / f"node{k}-state"

@@ -37,7 +37,7 @@ from ..config import make_method
 from ..errors import UserError
 from ..lifecycle import Recorder, client_row, results_summary
 from ..model import build_model
-from . import wire
+from . import privacy as priv, wire
 from .strategy import MethodStrategy, RoundFailed
 
 log = logging.getLogger("flwr.pflalign")
@@ -61,17 +61,21 @@ def run(grid: Grid, rc: dict) -> dict:
     except UserError as exc:  # its advice names pflalign run's flags
         raise UserError(f"{exc} (here: --run-config 'resume=true' or 'overwrite=true')") from None
     cfg = rec.config(None) if rec.resuming else wire.resolve_config(rc)
+    privacy = priv.from_run_config(rc)
     lm = build_model(cfg, device="cpu")
     lm.check_max_seq_len(cfg.max_seq_len)
-    strategy = MethodStrategy(make_method(cfg), cfg, lm.get_lora(),  # the server needs only w^0
+    method = make_method(cfg)
+    priv.check(privacy, method, lm.get_lora())
+    strategy = MethodStrategy(method, cfg, lm.get_lora(),  # the server needs only w^0
                               experiment=uuid.uuid4().hex[:12], min_clients=int(rc["min-clients"]),
                               max_update_norm=float(rc["max-update-norm"]),
-                              max_update_ratio=float(rc["max-update-ratio"]))
+                              max_update_ratio=float(rc["max-update-ratio"]), privacy=privacy)
     del lm
     if rec.resuming:
         saved = rec.checkpoint
         strategy.global_params, strategy.server_state = saved["global"], saved["server_state"]
         strategy.experiment, strategy.rounds_done = saved["flower"]["experiment"], saved["flower"]["rounds_done"]
+        strategy.noise_std = saved["flower"].get("noise_std", {})
     rec.open(cfg)
     if not rec.resuming:
         rec.save(0, checkpoint(strategy))  # resumable even if the first round fails
@@ -103,8 +107,11 @@ def run(grid: Grid, rc: dict) -> dict:
 def train_round(grid: Grid, strategy: MethodStrategy, r: int, timeout: float, rec: Recorder):
     """Round r (0-based; Flower's server round r + 1): the clients' lines, as the in-process
     engine writes them; the round's record for its line."""
-    messages = strategy.configure_train(r + 1, wire.to_record(strategy.global_params), ConfigRecord(), grid)
-    outcome = strategy.collect_train(r + 1, grid.send_and_receive(messages, timeout=timeout))
+    if strategy.privacy.secagg:
+        outcome = strategy.train_secagg(r + 1, grid, timeout)
+    else:
+        messages = strategy.configure_train(r + 1, wire.to_record(strategy.global_params), ConfigRecord(), grid)
+        outcome = strategy.collect_train(r + 1, grid.send_and_receive(messages, timeout=timeout))
     record = outcome.record
     for k, res in zip(record.clients, record.results):
         for t, loss in enumerate(res.losses):
@@ -147,10 +154,16 @@ def evaluate(grid: Grid, strategy: MethodStrategy, timeout: float) -> dict:
         "missing_clients": [{"id": k, "task": strategy.nodes.names[k], "reason": why}
                             for k, why in sorted(missing.items())],
     }
+    report = strategy.privacy.report()
+    if "dp" in report:  # the noise each round's mean got (also in that round's metrics.jsonl line)
+        report["dp"]["noise_std"] = [strategy.noise_std.get(r) for r in range(cfg.rounds)]
+    if report:
+        results["flower"]["privacy"] = report
     return results
 
 
 def checkpoint(strategy: MethodStrategy) -> dict:
     """The server's part of a run (the client states stay on the clients' hosts)."""
     return {"global": strategy.global_params, "server_state": strategy.server_state,
-            "flower": {"experiment": strategy.experiment, "rounds_done": strategy.rounds_done}}
+            "flower": {"experiment": strategy.experiment, "rounds_done": strategy.rounds_done,
+                       "noise_std": strategy.noise_std}}

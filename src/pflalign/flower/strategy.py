@@ -27,6 +27,7 @@ so that every round is checkpointed and a run can resume.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterable
@@ -41,7 +42,7 @@ from ..config import RunConfig
 from ..errors import TrainingDiverged, UserError
 from ..lifecycle import RoundRecord, sample_clients
 from ..methods.base import Method, Params, RoundContext, data_weights
-from . import validate, wire
+from . import privacy as priv, validate, wire
 
 log = logging.getLogger("flwr.pflalign")
 
@@ -58,7 +59,7 @@ class TrainOutcome:
     missing: dict[int, str] = field(default_factory=dict)  # sampled clients without a reply → why
     rejected: dict[int, str] = field(default_factory=dict)  # replies that failed `validate` → why
     bytes_down: int = 0  # the round's tensor payload to the clients
-    bytes_up: int = 0  # and from them
+    bytes_up: int | None = 0  # and from them (None: not counted, under SecAgg+)
 
 
 @dataclass
@@ -121,8 +122,10 @@ class Nodes:
 class MethodStrategy(Strategy):
     def __init__(self, method: Method, cfg: RunConfig, global_params: Params, experiment: str,
                  min_clients: int = 0, query_timeout: float = 120.0, max_update_norm: float = 0.0,
-                 max_update_ratio: float = wire.RUN_DEFAULTS["max-update-ratio"]):
+                 max_update_ratio: float = wire.RUN_DEFAULTS["max-update-ratio"],
+                 privacy: priv.Privacy = priv.Privacy()):
         self.method, self.cfg, self.experiment = method, cfg, experiment
+        self.privacy = privacy  # DP and SecAgg+ (privacy.py); checked against the method by the ServerApp
         self.global_params = global_params
         self.server_state = method.init_server_state(global_params)
         self.dtype = next(iter(global_params.values())).dtype
@@ -132,6 +135,7 @@ class MethodStrategy(Strategy):
         self.max_update_norm = max_update_norm  # 0: no bound
         self.max_update_ratio = max_update_ratio  # x the global model's norm; 0: no bound
         self.rounds_done: dict[int, int] = {}  # client → rounds it finished (saved in the checkpoint)
+        self.noise_std: dict[int, float] = {}  # round → the DP noise's standard deviation (saved too)
         self.n_train: dict[int, int] = {}  # client → |D_k|, as the clients report it
         # between a configure_* hook and its collect_*: the messages sent and their clients, and
         # the clients not even sent one (no SuperNode) → why
@@ -191,9 +195,10 @@ class MethodStrategy(Strategy):
         chosen = sample_clients(self.num_clients, self.cfg.participation, self.cfg.seed, r)
         self._unreached = {k: "its SuperNode is not connected" for k in chosen if k not in self.nodes.of}
         broadcast = wire.pack(wire.BROADCAST, self.method.broadcast(self.global_params, self.server_state))
+        dp = {priv.KEY_CLIPPING_NORM: self.privacy.clipping_norm} if self.privacy.dp else {}  # fixedclipping_mod's
         return self._messages(
             [k for k in chosen if k in self.nodes.of],
-            lambda k: RecordDict({wire.GLOBAL: arrays, **broadcast, "config": self._config(k, round=r)}),
+            lambda k: RecordDict({wire.GLOBAL: arrays, **broadcast, "config": self._config(k, round=r, **dp)}),
             MessageType.TRAIN, server_round)
 
     def collect_train(self, server_round: int, replies: Iterable[Message]) -> TrainOutcome:
@@ -231,13 +236,90 @@ class MethodStrategy(Strategy):
                               + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(rejected.items())))
         ids = [k for k, _ in results]
         weights = data_weights([self.n_train[k] for k in ids])
-        self.global_params = self.method.aggregate(
-            self.global_params, [res.message for _, res in results], weights, self.server_state,
-            RoundContext(r, self.num_clients, ids))
+        extra = {}
+        if self.privacy.dp:  # the method's rule on the noised mean (privacy.py says why there)
+            mean = priv.weighted_mean([res.message for _, res in results], weights)
+            extra["dp_noise_std"] = self.noise_std[r] = priv.add_noise(self.privacy, mean, weights)
+            self.global_params = self.method.aggregate(self.global_params, [mean], [1.0], self.server_state,
+                                                       RoundContext(r, self.num_clients, ids))
+        else:
+            self.global_params = self.method.aggregate(
+                self.global_params, [res.message for _, res in results], weights, self.server_state,
+                RoundContext(r, self.num_clients, ids))
         for k in ids:
             self.rounds_done[k] = self.rounds_done.get(k, 0) + 1
-        return TrainOutcome(RoundRecord(ids, [res for _, res in results], weights), missing, rejected,
+        return TrainOutcome(RoundRecord(ids, [res for _, res in results], weights, extra), missing, rejected,
                             bytes_down, bytes_up)
+
+    def train_secagg(self, server_round: int, grid: Grid, timeout: float) -> TrainOutcome:
+        """Round `server_round` with Flower's SecAgg+ (`privacy.secagg_round`): the sampled
+        clients' uploads are summed under masks, the server gets their data-weighted mean and
+        each client's metrics, and the method's rule runs on that mean (plus DP noise when on).
+        An upload cannot be checked or left out once it is in the sum: a client whose metrics
+        are malformed, or whose |D_k| exceeds ``secagg-max-weight`` (its weight would not be
+        quantized faithfully), fails the round."""
+        r = server_round - 1
+        self.connect(grid, wait_for=0, timeout=0)
+        chosen = sample_clients(self.num_clients, self.cfg.participation, self.cfg.seed, r)
+        missing = {k: "its SuperNode is not connected" for k in chosen if k not in self.nodes.of}
+        clients = [k for k in chosen if k in self.nodes.of]
+        need = len(chosen) if self.min_clients <= 0 else min(self.min_clients, len(chosen))
+        if len(clients) < max(2, need):
+            raise RoundFailed(f"round {server_round}: SecAgg+ needs at least 2 clients (and min-clients="
+                              f"{self.min_clients or 'all'}); {len(clients)} of {len(chosen)} connected")
+        names = list(self.global_params)
+        parameters = priv.to_parameters(self.global_params.values())
+        fitins = {self.nodes.of[k]: priv.FitIns(parameters, priv.fit_config(self._config(k, round=r), names,
+                                                                            self.privacy))
+                  for k in clients}
+        client_of = {self.nodes.of[k]: k for k in clients}
+        mean, replies, failures = priv.secagg_round(self.privacy, grid, server_round, fitins, timeout)
+        got = {client_of[node]: res for node, res in replies if node in client_of}
+        for k in clients:
+            if k not in got:
+                missing[k] = "it dropped out of the SecAgg+ protocol (see the ServerApp log)"
+        for k in sorted(missing):
+            log.warning("round %d: %s is missing: %s", server_round, self.name(k), missing[k])
+        if mean is None or len(got) < need:
+            raise RoundFailed(f"round {server_round}: secure aggregation over {len(got)} of {len(chosen)} "
+                              f"clients (min-clients={self.min_clients or 'all'}) did not finish; missing: "
+                              + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(missing.items())))
+        results = []
+        for k in sorted(got):
+            m = {key: json.loads(v) if key == "losses" else v for key, v in got[k].metrics.items()}
+            n = got[k].num_examples
+            reason = validate.validate_train_metrics({**m, "n_train": n}, self.cfg.local_steps, self.n_train.get(k))
+            if not reason and n > self.privacy.max_weight:
+                reason = f"n_train {n} exceeds secagg-max-weight={self.privacy.max_weight:g}"
+            if reason:  # its upload is already in the sum: the round cannot go on without it
+                raise RoundFailed(f"round {server_round}: {self.name(k)} sent malformed metrics under SecAgg+ "
+                                  f"(its upload cannot be left out of the sum): {reason}")
+            self.n_train[k] = n
+            results.append((k, ClientRound(
+                message={}, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr_mean"),
+                gsnr_ratio=m.get("gsnr_ratio"), update_norm=m["update_norm"], model_norm=m["model_norm"])))
+        ids = [k for k, _ in results]
+        weights = data_weights([self.n_train[k] for k in ids])
+        try:
+            average = priv.unflatten(mean, self.expected)
+        except UserError as exc:
+            raise RoundFailed(f"round {server_round}: {exc}") from None
+        reason = validate.validate_update(average, self.expected)
+        if reason:
+            raise RoundFailed(f"round {server_round}: the secure aggregate is unusable: {reason}")
+        average = {g: {n: t.to(self.dtype) for n, t in ts.items()} for g, ts in average.items()}
+        extra = {"secagg": True}
+        if self.privacy.dp:
+            extra["dp_noise_std"] = priv.add_noise(self.privacy, average, weights)
+        self.global_params = self.method.aggregate(self.global_params, [average], [1.0], self.server_state,
+                                                   RoundContext(r, self.num_clients, ids))
+        for k in ids:
+            self.rounds_done[k] = self.rounds_done.get(k, 0) + 1
+        if "dp_noise_std" in extra:
+            self.noise_std[r] = extra["dp_noise_std"]
+        # down: w^r in each FitIns; up: not counted (masked vectors travel in ConfigRecords)
+        return TrainOutcome(RoundRecord(ids, [res for _, res in results], weights, extra), missing, {},
+                            sum(len(b) for b in parameters.tensors) * len(clients), None)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord, MetricRecord]:
         """Flower's hook: `collect_train`, as records."""

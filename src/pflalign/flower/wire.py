@@ -29,6 +29,7 @@ from flwr.app import ArrayRecord, RecordDict
 from ..config import RunConfig, build_config, parse_set, to_dict
 from ..errors import UserError
 from ..methods.base import Params
+from .privacy import OPTIONS as PRIVACY_OPTIONS
 
 GLOBAL = "global"
 BROADCAST = "broadcast/"
@@ -47,6 +48,7 @@ RUN_DEFAULTS = {
     "client-dir": "",  # where clients keep their state when the node config has no state-dir
     "max-update-norm": 0.0,  # reject a client update whose norm exceeds this (see validate.py); 0: no bound
     "max-update-ratio": 10.0,  # reject an update larger than this x the global model's norm (validate.py); 0: off
+    **PRIVACY_OPTIONS,  # differential privacy and SecAgg+ (privacy.py)
 }
 
 

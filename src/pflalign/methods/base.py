@@ -154,3 +154,15 @@ class Method:
     ) -> Params:
         """The next global adapter w^{r+1}; `weights` are |D_k| / Σ|D_j| over participants."""
         return weighted_average([m["params"] for m in messages], weights)
+
+    def needs_each_upload(self) -> str | None:
+        """Why `aggregate` needs more than the weighted sum Σ_k weights[k]·messages[k] of the
+        uploads (None: that sum is all it needs).
+
+        When it needs only that sum, ``aggregate(w, [Σ_k p_k m_k], [1.0], ...)`` equals
+        ``aggregate(w, messages, weights, ...)``, so the Flower server can run the method on
+        a sum it never sees the terms of (SecAgg+) or on a noised sum (differential privacy:
+        the method's rule is then post-processing of a private release). A method whose rule
+        looks at each upload, weighs them otherwise or counts them says why here, and the
+        Flower app refuses those options for it (pflalign.flower.privacy)."""
+        return None

@@ -76,3 +76,7 @@ class FedDyn(Method):
             h.sub_(mean_params[n] - global_params[n], alpha=alpha * participants / ctx.num_clients)
             new[n] = mean_params[n] - h / alpha
         return new
+
+    def needs_each_upload(self) -> str | None:
+        return ("its server rule averages the uploads with equal weights and counts the participants; "
+                "Flower's SecAgg+ and DP clipping give one data-weighted sum")

@@ -173,3 +173,9 @@ class FedGloSS(Method):
         for n, d in pseudo_grad.items():
             perturbation[n] = d * (rho / norm) if rho > 0 and norm > 0 else torch.zeros_like(d)
         return new
+
+    def needs_each_upload(self) -> str | None:
+        if self.args.admm:
+            return ("with admm its server rule needs the unweighted sum of the uploads and the number of "
+                    "participants besides the data-weighted sum; Flower's SecAgg+ and DP clipping give that one sum")
+        return None

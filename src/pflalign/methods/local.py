@@ -29,3 +29,6 @@ class Local(Method):
     def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
                   server_state: State, ctx: RoundContext) -> Params:
         return clone(global_params)
+
+    def needs_each_upload(self) -> str | None:
+        return "it uploads nothing (local training only): there is no sum to protect"

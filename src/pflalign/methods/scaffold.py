@@ -77,3 +77,7 @@ class Scaffold(Method):
         for n, c in server_state["c"].items():
             c.add_(mean_delta_c[n], alpha=participants / ctx.num_clients)
         return weighted_average([m["params"] for m in messages], weights)
+
+    def needs_each_upload(self) -> str | None:
+        return ("its server rule needs two sums with different weights (w_k by data size, delta_c equally) "
+                "and the number of participants; Flower's SecAgg+ and DP clipping give one data-weighted sum")
