@@ -181,8 +181,10 @@ class Client:
 
     id: int
     data: ClientShare  # its name and its examples (from the partition step)
-    train: list[Encoded]
-    state: State  # the method's per-client state (kept across rounds)
+    # its tokenized training examples, or the function that tokenizes them on first use
+    # (`train`): with hundreds of clients, only the sampled ones are ever tokenized
+    encoded: list[Encoded] | Callable[[], list[Encoded]]
+    state: State | None  # the method's per-client state (kept across rounds; None: not loaded)
     personalized: Params | None = None  # its personalized adapter after its last round
     steps_taken: int = 0  # minibatches consumed: the data sampler's whole state
 
@@ -191,17 +193,30 @@ class Client:
         return self.data.name
 
     @property
+    def train(self) -> list[Encoded]:
+        """The tokenized training examples (tokenized here on first use, then kept)."""
+        if callable(self.encoded):
+            self.encoded = self.encoded()
+        return self.encoded
+
+    @property
+    def tokenized(self) -> bool:
+        return not callable(self.encoded)
+
+    @property
     def n_train(self) -> int:
         return len(self.data.train)
 
 
 def make_client(k: int, data: ClientShare, tokenizer, cfg: RunConfig, state: State) -> Client:
-    """Client k with its training examples tokenized (checked against batch_size)."""
+    """Client k (checked against batch_size); its training examples are tokenized when first
+    used (`Client.train`), not here."""
     if len(data.train) < cfg.batch_size:
         raise UserError(
             f"client {k} ({data.name}) has {len(data.train)} training examples, fewer than batch_size={cfg.batch_size}"
         )
-    return Client(k, data, [encode_train(tokenizer, ex, cfg.max_seq_len, cfg.data.template) for ex in data.train], state)
+    return Client(k, data, lambda: [encode_train(tokenizer, ex, cfg.max_seq_len, cfg.data.template)
+                                    for ex in data.train], state)
 
 
 def draw_batches(client: Client, cfg: RunConfig, pad_id: int) -> list[dict]:
