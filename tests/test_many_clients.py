@@ -161,3 +161,25 @@ def test_distribution_by_hand():
     many = [{"s": float(v), "n_train": 1} for v in range(100)]
     assert distribution(many, "s")["worst_10pct_mean"] == pytest.approx(4.5)  # mean of 0..9
     assert distribution([{"s": None, "n_train": 1}], "s") is None
+
+
+def test_an_overwrite_failing_before_its_first_checkpoint_restores_the_old_client_files(tmp_path, monkeypatch):
+    """The new run's round-1 files have the old run's names (k.r1): they must not replace the old
+    run's, which its restored checkpoint names by checksum."""
+    from pflalign.errors import TrainingDiverged
+    from pflalign.lifecycle import Recorder
+
+    out = tmp_path / "run"
+    run(config(rounds=2), out, stop_after=1, progress=False)
+    before = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+    def fail(self, *args, **kwargs):
+        raise TrainingDiverged("loss is nan")
+
+    monkeypatch.setattr(Recorder, "save", fail)
+    with pytest.raises(TrainingDiverged):
+        run(config(rounds=2, method="fedprox"), out, overwrite=True, progress=False)
+    monkeypatch.undo()
+    assert {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    run(None, out, resume=True, progress=False)  # the old run goes on from its own files
+    assert json.loads((out / ckpt.RESULTS).read_text())["method"] == "pflalign"

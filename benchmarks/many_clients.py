@@ -1,0 +1,162 @@
+"""pflalign benchmark: many clients (issue 21). Peak RSS and seconds per round of an in-process
+run with many clients and partial participation, against the paper's 4-client run.
+
+    python benchmarks/many_clients.py --data-dir ../shared/data --only smollm2 --out benchmarks/results/many_clients_smollm2.json
+    python benchmarks/many_clients.py --data-dir ../shared/data --only tiny --out benchmarks/results/many_clients_tiny.json
+
+Sections (``--only``):
+
+* ``smollm2``: SmolLM2-135M pFLAlign on FLAN, 3 rounds × 5 local steps, evaluation on 2 test
+  examples per client (``data.max_test=2``, 16 new tokens, no base model: the runs measure
+  training). ``four``: the paper's 4 clients (one per category), participation 1.0. ``hundred``:
+  FLAN's training rows split Dirichlet α = 0.5 over ``category`` into 100 clients, participation
+  0.1 (10 clients a round), final evaluation on a seeded sample of 10 clients (``eval.clients``).
+  Issue 21's targets: peak RSS ≤ 1.3× and seconds per round ≤ 2.8× the 4-client run's.
+* ``tiny``: the tiny random Llama on Dolly split IID into 1000 clients, participation 0.01
+  (10 a round), 40 rounds: the RSS at the end of every round, to show it stays flat while ever
+  more clients have trained (each has a file in clients/).
+
+Each run is ``python -m pflalign run`` in a subprocess (the CLI, as a user runs it). Measured:
+peak RSS from ``os.wait4`` (the child's ``ru_maxrss``), RSS at each round's end (``VmRSS`` of
+the child, read when the round's line appears in metrics.jsonl, polled every 50 ms), seconds
+per round from metrics.jsonl's ``round`` lines, the size of the run folder's checkpoint and
+client files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+COMMON = {"method": "pflalign", "rounds": 3, "local_steps": 5,
+          "eval": {"max_new_tokens": 16, "base_model": False}}
+
+
+def smollm2_configs(data_dir: Path) -> dict[str, dict]:
+    flan = {"name": "flan", "dir": str(data_dir / "flan"), "max_test": 2}
+    return {
+        "four": {**COMMON, "model": "smollm2-135m", "data": flan},
+        "hundred": {**COMMON, "model": "smollm2-135m", "participation": 0.1,
+                    "data": {**flan, "partition": "dirichlet", "num_clients": 100, "alpha": 0.5,
+                             "partition_by": "category"},
+                    "eval": {**COMMON["eval"], "clients": 10}},
+    }
+
+
+def tiny_configs(data_dir: Path) -> dict[str, dict]:
+    return {"thousand": {
+        "method": "pflalign", "model": "tiny-llama", "lora": {"r": 4, "alpha": 8}, "rounds": 40,
+        "local_steps": 2, "batch_size": 2, "max_seq_len": 96, "participation": 0.01,
+        "data": {"name": "dolly", "dir": str(data_dir / "dolly"), "partition": "iid", "num_clients": 1000,
+                 "max_test": 2},
+        "eval": {"max_new_tokens": 4, "batch_size": 4, "base_model": False, "clients": 20},
+    }}
+
+
+def rss_kb(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
+
+
+def measure(name: str, config: dict, work: Path) -> dict:
+    """One run of the CLI on `config`: peak RSS, RSS at each round's end, seconds per round."""
+    cfg_path, out = work / f"{name}.json", work / name
+    cfg_path.write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    tic = time.monotonic()
+    log = open(work / f"{name}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "pflalign", "run", "--config", str(cfg_path), "--out", str(out),
+                             "--no-progress"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    metrics, seen, round_rss, ckpt_sizes, usage = out / "metrics.jsonl", 0, [], [], None
+    while True:
+        pid, status, ru = os.wait4(proc.pid, os.WNOHANG)  # reaped here: ru is this child's own rusage
+        if pid:
+            usage, proc.returncode = ru, os.waitstatus_to_exitcode(status)
+            break
+        if metrics.exists():
+            rounds = metrics.read_text().count('"event": "round"')
+            if rounds > seen:
+                rss = rss_kb(proc.pid)
+                round_rss += [rss] * (rounds - seen)
+                seen = rounds
+                ckpt_sizes.append((out / "checkpoint.pt").stat().st_size if (out / "checkpoint.pt").exists() else None)
+        time.sleep(0.05)
+    wall = time.monotonic() - tic
+    log.close()
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed ({proc.returncode}):\n{(work / f'{name}.log').read_text()[-3000:]}")
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    seconds = [r["seconds"] for r in rows if r["event"] == "round"]
+    results = json.loads((out / "results.json").read_text())
+    return {
+        "config": config, "wall_s": wall, "peak_rss_gb": usage.ru_maxrss / 1e6,
+        "round_seconds": seconds, "seconds_per_round": sum(seconds) / len(seconds),
+        "participants_per_round": [len(r["clients"]) for r in rows if r["event"] == "round"],
+        "rss_at_round_end_gb": [None if x is None else x / 1e6 for x in round_rss],
+        "checkpoint_bytes_at_round_end": ckpt_sizes,
+        "client_files": len(list((out / "clients").glob("*.safetensors"))),
+        "client_files_bytes": folder_bytes(out / "clients"),
+        "seconds_eval": results.get("seconds_eval"), "clients_scored": len(results["clients"]),
+        "avg_rouge_l_personalized": results["avg_rouge_l_personalized"],
+        "distribution": results.get("distribution"),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data-dir", type=Path, required=True)
+    ap.add_argument("--only", choices=["smollm2", "tiny"], required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    configs = smollm2_configs(args.data_dir) if args.only == "smollm2" else tiny_configs(args.data_dir)
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    report = {"section": args.only, "commit": commit, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "machine": {"cpu": platform.processor() or platform.machine(), "cpus_allowed": len(os.sched_getaffinity(0)),
+                          "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}, "runs": {}}
+    with tempfile.TemporaryDirectory(prefix="pflalign-many-") as tmp:
+        for name, config in configs.items():
+            print(f"{name} ...", flush=True)
+            report["runs"][name] = measure(name, config, Path(tmp))
+            r = report["runs"][name]
+            print(f"{name}: peak RSS {r['peak_rss_gb']:.2f} GB, {r['seconds_per_round']:.1f} s/round, "
+                  f"wall {r['wall_s']:.0f} s", flush=True)
+    runs = report["runs"]
+    if "four" in runs and "hundred" in runs:
+        report["ratios"] = {
+            "peak_rss_hundred_over_four": runs["hundred"]["peak_rss_gb"] / runs["four"]["peak_rss_gb"],
+            "seconds_per_round_hundred_over_four": runs["hundred"]["seconds_per_round"] / runs["four"]["seconds_per_round"],
+            "targets": {"peak_rss": 1.3, "seconds_per_round": 2.8},
+        }
+    if "thousand" in runs:
+        rss = [x for x in runs["thousand"]["rss_at_round_end_gb"] if x is not None]
+        tenth = max(1, len(rss) // 10)
+        report["flat_memory"] = {"rss_first_rounds_gb": sum(rss[:tenth]) / tenth,
+                                 "rss_last_rounds_gb": sum(rss[-tenth:]) / tenth,
+                                 "clients_with_files_at_end": runs["thousand"]["client_files"]}
+    report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: report.get(k) for k in ("ratios", "flat_memory")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
