@@ -171,6 +171,8 @@ def client_records(out: Path, payload: dict, fresh_state=None) -> list[dict]:
     older format held the method's initial state)."""
     if "clients" in payload:  # the whole federation in the checkpoint (older runs)
         return payload["clients"]
+    if out is None:
+        raise ValueError("the run folder is needed: its clients' tensors are in <out>/clients/")
     store = ClientStore(out, [t["name"] for t in payload["client_records"]])
     store.restore(payload["client_records"])
     out_list = []

@@ -83,9 +83,9 @@ class Federation:
             return
         cut = sum(e.truncated for e in client.train)
         self.store.records[client.id].truncated = cut
-        if cut:
-            log.warning("client %d (%s): %d of %d training examples exceeded max_seq_len=%d and were truncated",
-                        client.id, client.name, cut, client.n_train, self.cfg.max_seq_len)
+        if cut:  # the total is one warning after training (`run`): one line, however many clients
+            log.debug("client %d (%s): %d of %d training examples exceeded max_seq_len=%d and were truncated",
+                      client.id, client.name, cut, client.n_train, self.cfg.max_seq_len)
 
     # ---- the rounds -------------------------------------------------------------
     def train(self, rec: Recorder, start: int, end: int, after=lambda r, mean_loss, seconds: None) -> int:
@@ -276,6 +276,9 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
     try:
         done = fed.train(rec, start, end, after)
         rounds_bar.close()
+        if fed.truncated:  # over every client that trained (tokenized when first sampled)
+            log.warning("%d training examples exceeded max_seq_len=%d and were truncated", fed.truncated,
+                        cfg.max_seq_len)
         if done < cfg.rounds:
             rec.close()
             return None
