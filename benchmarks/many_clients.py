@@ -79,6 +79,16 @@ def rss_kb(pid: int) -> int | None:
     return None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of the process (all its threads) so far: what a round costs, apart from
+    how busy the machine is (wall time on a shared machine measures the other processes too)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
 
@@ -93,14 +103,22 @@ def measure(name: str, config: dict, work: Path) -> dict:
     proc = subprocess.Popen([sys.executable, "-m", "pflalign", "run", "--config", str(cfg_path), "--out", str(out),
                              "--no-progress"], env=env, stdout=log, stderr=subprocess.STDOUT)
     metrics, seen, round_rss, ckpt_sizes, usage = out / "metrics.jsonl", 0, [], [], None
+    round_cpu, last_cpu = [], None
     while True:
         pid, status, ru = os.wait4(proc.pid, os.WNOHANG)  # reaped here: ru is this child's own rusage
         if pid:
             usage, proc.returncode = ru, os.waitstatus_to_exitcode(status)
             break
         if metrics.exists():
-            rounds = metrics.read_text().count('"event": "round"')
+            text = metrics.read_text()
+            if last_cpu is None and '"event": "train_step"' in text:
+                last_cpu = cpu_seconds(proc.pid)  # the first step began: CPU time from here is the rounds'
+            rounds = text.count('"event": "round"')
             if rounds > seen:
+                now = cpu_seconds(proc.pid)
+                if now is not None and last_cpu is not None:
+                    round_cpu.append((now - last_cpu) / (rounds - seen))
+                last_cpu = now
                 rss = rss_kb(proc.pid)
                 round_rss += [rss] * (rounds - seen)
                 seen = rounds
@@ -116,6 +134,10 @@ def measure(name: str, config: dict, work: Path) -> dict:
     return {
         "config": config, "wall_s": wall, "peak_rss_gb": usage.ru_maxrss / 1e6,
         "round_seconds": seconds, "seconds_per_round": sum(seconds) / len(seconds),
+        # CPU seconds between round lines (the first from its first step, so without the model's load;
+        # a checkpoint save is in the round after it); polled every 50 ms
+        "round_cpu_seconds": round_cpu, "cpu_seconds_per_round": sum(round_cpu) / len(round_cpu) if round_cpu else None,
+        "cpu_seconds_total": (usage.ru_utime + usage.ru_stime),
         "participants_per_round": [len(r["clients"]) for r in rows if r["event"] == "round"],
         "rss_at_round_end_gb": [None if x is None else x / 1e6 for x in round_rss],
         "checkpoint_bytes_at_round_end": ckpt_sizes,
@@ -131,9 +153,20 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", type=Path, required=True)
     ap.add_argument("--only", choices=["smollm2", "tiny"], required=True)
+    ap.add_argument("--runs", nargs="*", help="only these runs of the section (e.g. four), to start them apart")
+    ap.add_argument("--combine", nargs="*", type=Path, help="merge these outputs of --runs into --out instead")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    if args.combine:
+        parts = [json.loads(p.read_text()) for p in args.combine]
+        report = {**parts[0], "parts": [{k: v for k, v in p.items() if k != "runs"} for p in parts], "runs": {}}
+        for p in parts:
+            report["runs"].update(p["runs"])
+        finish(report, args.out)
+        return
     configs = smollm2_configs(args.data_dir) if args.only == "smollm2" else tiny_configs(args.data_dir)
+    if args.runs:
+        configs = {k: v for k, v in configs.items() if k in args.runs}
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     report = {"section": args.only, "commit": commit, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -146,11 +179,18 @@ def main(argv=None) -> None:
             r = report["runs"][name]
             print(f"{name}: peak RSS {r['peak_rss_gb']:.2f} GB, {r['seconds_per_round']:.1f} s/round, "
                   f"wall {r['wall_s']:.0f} s", flush=True)
+    finish(report, args.out)
+
+
+def finish(report: dict, out: Path) -> None:
+    """The ratios against the targets, the flatness of memory, and the JSON file."""
     runs = report["runs"]
     if "four" in runs and "hundred" in runs:
         report["ratios"] = {
             "peak_rss_hundred_over_four": runs["hundred"]["peak_rss_gb"] / runs["four"]["peak_rss_gb"],
             "seconds_per_round_hundred_over_four": runs["hundred"]["seconds_per_round"] / runs["four"]["seconds_per_round"],
+            "cpu_seconds_per_round_hundred_over_four":
+                runs["hundred"]["cpu_seconds_per_round"] / runs["four"]["cpu_seconds_per_round"],
             "targets": {"peak_rss": 1.3, "seconds_per_round": 2.8},
         }
     if "thousand" in runs:
@@ -160,8 +200,8 @@ def main(argv=None) -> None:
                                  "rss_last_rounds_gb": sum(rss[-tenth:]) / tenth,
                                  "clients_with_files_at_end": runs["thousand"]["client_files"]}
     report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: report.get(k) for k in ("ratios", "flat_memory")}, indent=1))
 
 
