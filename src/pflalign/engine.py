@@ -124,6 +124,7 @@ class Federation:
             self.store.save(k, r + 1, client.state, client.personalized)
             self.store.records[k].steps_taken = client.steps_taken
             self.unload_client(client)
+            result.personalized = None  # in its file now; the round keeps only the message (aggregation)
             rec.client_round(r, k, result)
             results.append(result)
             allocator.release_free_memory()  # the round's activations: not kept past the client
