@@ -110,10 +110,9 @@ def measure(name: str, config: dict, work: Path) -> dict:
             usage, proc.returncode = ru, os.waitstatus_to_exitcode(status)
             break
         if metrics.exists():
-            text = metrics.read_text()
-            if last_cpu is None and '"event": "train_step"' in text:
-                last_cpu = cpu_seconds(proc.pid)  # the first step began: CPU time from here is the rounds'
-            rounds = text.count('"event": "round"')
+            # metrics.jsonl is flushed with each round's checkpoint: the first round's start is not
+            # seen, so CPU time is measured from the end of round 1 on (rounds 2, 3, ...)
+            rounds = metrics.read_text().count('"event": "round"')
             if rounds > seen:
                 now = cpu_seconds(proc.pid)
                 if now is not None and last_cpu is not None:
@@ -134,8 +133,8 @@ def measure(name: str, config: dict, work: Path) -> dict:
     return {
         "config": config, "wall_s": wall, "peak_rss_gb": usage.ru_maxrss / 1e6,
         "round_seconds": seconds, "seconds_per_round": sum(seconds) / len(seconds),
-        # CPU seconds between round lines (the first from its first step, so without the model's load;
-        # a checkpoint save is in the round after it); polled every 50 ms
+        # CPU seconds between round lines from round 2 on (each includes the previous round's
+        # checkpoint save); polled every 50 ms
         "round_cpu_seconds": round_cpu, "cpu_seconds_per_round": sum(round_cpu) / len(round_cpu) if round_cpu else None,
         "cpu_seconds_total": (usage.ru_utime + usage.ru_stime),
         "participants_per_round": [len(r["clients"]) for r in rows if r["event"] == "round"],
