@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
+from pflalign.client_store import client_records
 from pflalign.cli import main
 from pflalign.config import build_config
 from pflalign.engine import run
@@ -209,7 +210,7 @@ def assert_same_run(out: Path, ref: Path) -> None:
             assert torch.equal(a[n], b[n]), f"{what}: {n}"
 
     same(mine["global"], theirs["global"], "global adapter")
-    for k, (a, b) in enumerate(zip(mine["clients"], theirs["clients"], strict=True)):
+    for k, (a, b) in enumerate(zip(client_records(out, mine), client_records(ref, theirs), strict=True)):
         same(a["personalized"], b["personalized"], f"client {k} personalized adapter")
         assert a["state"].keys() == b["state"].keys() and a["steps_taken"] == b["steps_taken"]
         for group in a["state"]:

@@ -7,6 +7,7 @@ import torch
 
 from pflalign import checkpoint as ckpt
 from pflalign.config import build_config
+from pflalign.client_store import client_records
 from pflalign.engine import Federation, run
 from pflalign.lifecycle import Recorder, sample_clients
 from pflalign.errors import UserError
@@ -30,8 +31,9 @@ def tiny_config(**over):
 
 
 def _adapters(out):
+    """The checkpoint with every client's record (from clients/) under "clients", as before issue 21."""
     payload = ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
-    return payload
+    return {**payload, "clients": client_records(out, payload)}
 
 
 def _assert_same_params(a, b):

@@ -11,6 +11,7 @@ import torch
 from pflalign import checkpoint as ckpt
 from pflalign.config import build_config
 from pflalign.engine import run
+from pflalign.client_store import client_records
 from pflalign.export import ADAPTERS, export_run, read_adapter, run_adapters
 
 CLIENTS = ["arithmetic", "sorting"]
@@ -73,13 +74,13 @@ def test_finished_run_writes_peft_adapters_equal_to_the_evaluated_models(finishe
     # the tensors are the method's personalized model after aggregation, from the checkpoint
     cfg = build_config(None, json.loads((out / ckpt.CONFIG).read_text()))
     payload = ckpt.load_run_checkpoint(out)
-    expected = run_adapters(cfg, payload, CLIENTS)
+    expected = run_adapters(cfg, payload, CLIENTS, out)
     for name in ["global", *CLIENTS]:
         got = read_adapter(folder / name)
         assert got.keys() == expected[name].keys()
         assert all(torch.equal(got[n], expected[name][n]) for n in got), name
     if method == "fedsa-lora":  # the aggregated A with the client's own B, not its local model
-        own = payload["clients"][0]["personalized"]
+        own = client_records(out, payload)[0]["personalized"]
         assert any(not torch.equal(expected["arithmetic"][n], own[n]) for n in own)
 
 
@@ -153,7 +154,7 @@ def test_an_interrupted_run_exports_from_its_checkpoint(tmp_path):
     assert not (tmp_path / "run" / ADAPTERS).exists()
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x")]) == 0
     payload = ckpt.load_run_checkpoint(tmp_path / "run")
-    expected = run_adapters(cfg, payload, CLIENTS)
+    expected = run_adapters(cfg, payload, CLIENTS, tmp_path / "run")
     got = read_adapter(tmp_path / "x" / "sorting")
     assert all(torch.equal(got[n], expected["sorting"][n]) for n in got)
     info = json.loads((tmp_path / "x" / "sorting" / "pflalign.json").read_text())

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
+from pflalign.client_store import client_records
 from pflalign.config import build_config
 from pflalign.engine import run as run_in_process
 from pflalign.flower.cluster import Cluster
@@ -32,6 +33,12 @@ RUN_TIMEOUT = 600  # seconds, one `flwr run`
 
 def tiny(method: str) -> dict:
     return {**json.loads(json.dumps(TINY)), "method": method}
+
+
+def _with_clients(out: Path) -> dict:
+    """An in-process run's checkpoint with every client's record under "clients" (in clients/ since issue 21)."""
+    payload = ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
+    return {**payload, "clients": client_records(out, payload)}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +54,7 @@ def reference(tmp_path_factory):
                                      stop_after=rounds)
             metrics = [json.loads(line) for line in (out / ckpt.METRICS).read_text().splitlines()]
             cache[key] = {"results": results, "metrics": metrics, "out": out,
-                          **ckpt.load_checkpoint(out / ckpt.CHECKPOINT)}
+                          **_with_clients(out)}
         return cache[key]
 
     return get
@@ -390,6 +397,6 @@ def test_a_malicious_client_is_rejected_and_the_honest_result_unaffected(tmp_pat
     # the honest client's result is FedAvg over itself alone, as if client 1 did not exist
     run_in_process(build_config(None, {**tiny("fedavg"), **over, "data": {**TINY["data"], "clients": ["arithmetic"]}}),
                    tmp_path / "alone", progress=False)
-    alone = ckpt.load_checkpoint(tmp_path / "alone" / ckpt.CHECKPOINT)
+    alone = _with_clients(tmp_path / "alone")
     assert_close(ckpt.load_checkpoint(out / ckpt.CHECKPOINT)["global"], alone["global"], "global adapter")
     assert_close(personalized(clients, results, 0, 4), alone["clients"][0]["personalized"], "client 0 personalized")

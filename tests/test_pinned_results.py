@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
-from pflalign.config import build_config
+from pflalign.client_store import client_records
+from pflalign.config import build_config, make_method
 from pflalign.engine import run as run_in_process
 from pflalign.methods import METHODS
 
@@ -81,11 +82,16 @@ def jsonl(path: Path) -> list:
 
 def run_hashes(out: Path) -> dict:
     saved = ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
+    # in clients/ since issue 21, the same tensors; a client that never trained (participation < 1)
+    # has no file: its state is the method's initial one, as the checkpoint held it before (the
+    # methods pinned with sampling start from zeros, a function of the adapter's shapes only)
+    method = make_method(build_config(None, json.loads((out / ckpt.CONFIG).read_text())))
+    clients = client_records(out, saved, lambda: method.init_client_state(saved["global"]))
     return {
         "global": digest(saved["global"]),
         "server_state": digest(saved["server_state"]),
-        "personalized": [digest(c["personalized"]) for c in saved["clients"]],
-        "client_state": [digest({"state": c["state"], "steps_taken": c["steps_taken"]}) for c in saved["clients"]],
+        "personalized": [digest(c["personalized"]) for c in clients],
+        "client_state": [digest({"state": c["state"], "steps_taken": c["steps_taken"]}) for c in clients],
         "results": digest(strip(json.loads((out / ckpt.RESULTS).read_text()))),
         "metrics": digest(jsonl(out / ckpt.METRICS)),
         "predictions": digest(jsonl(out / ckpt.PREDICTIONS)),

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
+from pflalign.client_store import client_records
 from pflalign.config import build_config
 from pflalign.engine import run
 from pflalign.methods import METHODS
@@ -90,7 +91,8 @@ def unequal_run(tmp_path_factory):
     out = base / "run"
     results = run(cfg, out, progress=False)
     rows = [json.loads(line) for line in (out / ckpt.METRICS).read_text().splitlines()]
-    return results, rows, ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
+    payload = ckpt.load_checkpoint(out / ckpt.CHECKPOINT)
+    return results, rows, {**payload, "clients": client_records(out, payload)}  # clients/ since issue 21
 
 
 def test_pflalign_global_is_data_weighted_mean_of_client_models(unequal_run):

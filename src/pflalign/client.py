@@ -181,8 +181,10 @@ class Client:
 
     id: int
     data: ClientShare  # its name and its examples (from the partition step)
-    train: list[Encoded]
-    state: State  # the method's per-client state (kept across rounds)
+    # its tokenized training examples, or the function that tokenizes them on first use
+    # (`train`): with hundreds of clients, only the sampled ones are ever tokenized
+    encoded: list[Encoded] | Callable[[], list[Encoded]]
+    state: State | None  # the method's per-client state (kept across rounds; None: not loaded)
     personalized: Params | None = None  # its personalized adapter after its last round
     steps_taken: int = 0  # minibatches consumed: the data sampler's whole state
 
@@ -191,20 +193,33 @@ class Client:
         return self.data.name
 
     @property
+    def train(self) -> list[Encoded]:
+        """The tokenized training examples (tokenized here on first use, then kept)."""
+        if callable(self.encoded):
+            self.encoded = self.encoded()
+        return self.encoded
+
+    @property
+    def tokenized(self) -> bool:
+        return not callable(self.encoded)
+
+    @property
     def n_train(self) -> int:
         return len(self.data.train)
 
 
-def make_client(k: int, data: ClientShare, tokenizer, cfg: RunConfig, state: State,
-                encoded: list[Encoded] | None = None) -> Client:
-    """Client k with its training examples tokenized (checked against batch_size); `encoded`: their
-    token ids already (data_cache.client_data), else tokenized here."""
+def make_client(k: int, data: ClientShare, tokenizer, cfg: RunConfig, state: State | None,
+                encoded: list[Encoded] | Callable[[], list[Encoded]] | None = None) -> Client:
+    """Client k (checked against batch_size). `encoded`: its training examples' token ids, or a
+    function that returns them (data_cache.client_data); by default they are tokenized here on
+    first use (`Client.train`), not now."""
     if len(data.train) < cfg.batch_size:
         raise UserError(
             f"client {k} ({data.name}) has {len(data.train)} training examples, fewer than batch_size={cfg.batch_size}"
         )
     if encoded is None:
-        encoded = [encode_train(tokenizer, ex, cfg.max_seq_len, cfg.data.template) for ex in data.train]
+        encoded = lambda: [encode_train(tokenizer, ex, cfg.max_seq_len, cfg.data.template)  # noqa: E731
+                           for ex in data.train]
     return Client(k, data, encoded, state)
 
 

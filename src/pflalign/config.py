@@ -73,6 +73,7 @@ class EvalConfig:
     base_model: bool = True  # also score the untrained base model
     every: int = 0  # also score every N rounds (ROUGE-L curves); 0: only at the end
     every_max_test: int | None = 20  # test examples per client for those per-round scores; None: all
+    clients: int | None = None  # score a seeded sample of this many clients (many clients); None: all
 
 
 @dataclass
@@ -271,7 +272,7 @@ def validate(cfg: RunConfig) -> None:
             raise UserError(message)
     for name, value in (("data.max_train", cfg.data.max_train), ("data.max_test", cfg.data.max_test),
                         ("data.validation", cfg.data.validation),
-                        ("eval.every_max_test", cfg.eval.every_max_test)):
+                        ("eval.every_max_test", cfg.eval.every_max_test), ("eval.clients", cfg.eval.clients)):
         if value is not None and value <= 0:
             raise UserError(f"{name} must be > 0, got {value}")
     check_values(cfg)

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -114,22 +115,31 @@ def read_adapter(folder: Path) -> dict[str, torch.Tensor]:
 
 
 # ---- a run's adapters -------------------------------------------------------------
-def run_adapters(cfg, payload: dict, clients: list[str]) -> dict[str, dict]:
-    """{"global": w, client name: its personalized adapter as evaluated} from a run checkpoint."""
+def run_adapters(cfg, payload: dict, clients: list[str], out: Path | None = None) -> dict[str, dict]:
+    """{"global": w, client name: its personalized adapter as evaluated} from a run checkpoint
+    (`out`: the run folder, where a run since issue 21 keeps its clients' files); `clients`: the
+    names wanted (a client that never trained gets the global adapter)."""
+    from .client_store import client_records
     from .config import make_method
 
     method = make_method(cfg)
     global_params = payload["global"]
-    if "clients" not in payload:  # a Flower run: the personalized models stay on the clients' nodes
-        return {GLOBAL: global_params}
-    if len(payload["clients"]) != len(clients):
+    if "clients" not in payload and "client_records" not in payload:
+        return {GLOBAL: global_params}  # a Flower run: the personalized models stay on the clients' nodes
+    if "clients" in payload and len(payload["clients"]) != len(clients):
         raise UserError(f"the checkpoint holds {len(payload['clients'])} clients, the run names {len(clients)}")
-    out = {GLOBAL: global_params}
-    for name, saved in zip(clients, payload["clients"]):
+    records = client_records(out, payload)
+    by_name = {rec.get("name", name): rec for name, rec in zip(clients, records)} if "clients" in payload \
+        else {rec["name"]: rec for rec in records}
+    out_params = {GLOBAL: global_params}
+    for name in clients:
+        saved = by_name.get(name)
+        if saved is None:
+            raise UserError(f"the checkpoint holds no client {name!r}")
         personal = saved["personalized"]
-        out[name] = global_params if personal is None else \
+        out_params[name] = global_params if personal is None else \
             method.personalized_after_aggregation(global_params, personal, saved["state"])
-    return out
+    return out_params
 
 
 def write_adapters(folder: Path, cfg, adapters: dict[str, dict], info: dict | None = None) -> dict[str, Path]:
@@ -153,11 +163,12 @@ def write_adapters(folder: Path, cfg, adapters: dict[str, dict], info: dict | No
     return written
 
 
-def write_run_adapters(out: Path, cfg, global_params: dict, personalized: dict[str, dict]) -> dict[str, Path]:
-    """The engine's call when a run finishes: ``out/adapters/{global,<client>}``;
-    `personalized` maps client names to their adapters as evaluated."""
+def write_run_adapters(out: Path, cfg, adapters: Mapping[str, dict]) -> dict[str, Path]:
+    """The engine's call when a run finishes: ``out/adapters/{global,<client>}``; `adapters` maps
+    "global" and the client names to their adapters as evaluated (a mapping that may load each
+    one only when it is written: `write_adapters` takes them one at a time)."""
     info = {"method": cfg.method, "dataset": cfg.data.name, "seed": cfg.seed, "rounds": cfg.rounds}
-    return write_adapters(Path(out) / ADAPTERS, cfg, {GLOBAL: global_params, **personalized}, info)
+    return write_adapters(Path(out) / ADAPTERS, cfg, adapters, info)
 
 
 def client_names(out: Path, cfg) -> list[str]:
@@ -234,7 +245,7 @@ def export_run(run_dir: Path, out: Path, client: str | None = None, merged: bool
     cfg, payload, names = load_run(run_dir)
     if client is not None and client not in names:
         raise UserError(f"no client {client!r} in {run_dir}; clients: {', '.join(names)}")
-    adapters = run_adapters(cfg, payload, names)
+    adapters = run_adapters(cfg, payload, names, run_dir)
     if client is not None and client not in adapters:
         raise UserError(f"{run_dir} is a Flower run: client {client!r}'s personalized adapter is on its own "
                         "node (adapters/ in its state folder)")

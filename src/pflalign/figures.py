@@ -138,6 +138,50 @@ def _rouge_bars(path: Path, tasks: list[str], rows: list[Row]) -> None:
     plt.close(fig)
 
 
+MAX_BAR_CLIENTS = 20  # more clients than this: the per-client bars are unreadable; the scatter shows them
+
+
+def _rouge_scatter(path: Path, runs: list[Run]) -> bool:
+    """Per-client ROUGE-L, personalized (y) against global (x), one point per client and method
+    (mean over the method's seeds), with the line y = x: above it personalization helped that
+    client. Small translucent markers, so that 100 clients (or 1000) still read as a cloud."""
+    fig, ax = plt.subplots(figsize=(5.6, 5.0), layout="constrained")
+    drawn = False
+    for method in method_order(r.method for r in runs):
+        per_task: dict[str, list[tuple[float, float]]] = {}
+        for r in runs:
+            if r.method != method:
+                continue
+            for c in r.results["clients"]:
+                if c.get("rouge_l_global") is not None and c.get("rouge_l_personalized") is not None:
+                    per_task.setdefault(c["task"], []).append((c["rouge_l_global"], c["rouge_l_personalized"]))
+        if not per_task:
+            continue
+        xs = [statistics.fmean(g for g, _ in v) for v in per_task.values()]
+        ys = [statistics.fmean(p for _, p in v) for v in per_task.values()]
+        st = style(method)
+        size = 28 if len(xs) <= 20 else 10
+        ax.scatter(xs, ys, s=size, alpha=0.65, color=st["color"], edgecolors="none",
+                   label=f"{label(method)} ({len(xs)} clients)")
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return False
+    top = max(1.0, *(v for a in (ax.get_xlim(), ax.get_ylim()) for v in a))
+    ax.plot([0, top], [0, top], color="0.4", linestyle="--", linewidth=0.8, label="y = x")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_aspect("equal")
+    ax.set_xlabel("global ROUGE-L (×100)")
+    ax.set_ylabel("personalized ROUGE-L (×100)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7.5, frameon=False, loc="upper left")
+    ax.set_title("Per-client ROUGE-L: personalized vs global\n(above the line: personalization helped)", fontsize=10)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
 def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Path,
                   client: str | None = None) -> tuple[list[tuple[str, str]], list[str]]:
     """Draw one dataset's figures into `folder`; returns ([(title, file name)], [reasons for skipped ones])."""
@@ -199,6 +243,8 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
                             "round", r"Aggregation consistency, $p_k = |D_k| \,/\, \Sigma_j |D_j|$")
 
     def bars(path: Path) -> bool:
+        if len(tasks) > MAX_BAR_CLIENTS:
+            return False
         _rouge_bars(path, tasks, rows)
         return True
 
@@ -223,7 +269,10 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
     add("loss.png", f"Training loss over local steps, client {task}", loss, "no train_step lines")
     add("consistency.png", "Aggregation consistency over rounds", consistency,
         "no consistency values in the round lines")
-    add("rouge_clients.png", "Personalized ROUGE-L per client", bars, "")
+    add("rouge_clients.png", "Personalized ROUGE-L per client", bars,
+        f"{len(tasks)} clients are more than {MAX_BAR_CLIENTS} bars can show; see the scatter")
+    add("rouge_scatter.png", "Per-client ROUGE-L, personalized vs global", lambda p: _rouge_scatter(p, runs),
+        "no client has both a personalized and a global score")
     add("rouge_rounds.png", "ROUGE-L over rounds (test subsample)", rouge_rounds,
         "no round_eval lines (runs made without eval.every)")
     return drawn, skipped

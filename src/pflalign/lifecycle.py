@@ -68,9 +68,37 @@ def sample_clients(num_clients: int, fraction: float, seed: int, round_index: in
     return sorted(rng.choice(num_clients, size=count, replace=False).tolist())
 
 
-def results_summary(cfg: RunConfig, rows: list[dict], truncated: int, data_info: dict | None = None) -> dict:
-    """`results.json` from the per-client rows (averages are plain means over clients); `data`:
-    what a partitioned or your-own-data federation loaded (columns, rows dropped and why), if any."""
+def eval_clients(num_clients: int, count: int | None, seed: int) -> list[int]:
+    """The clients scored at the end (and by ``eval.every``): all by default, else a seeded sample of
+    `count`, the same for every method and round of a seed (its own stream, apart from the rounds')."""
+    if count is None or count >= num_clients:
+        return list(range(num_clients))
+    rng = np.random.default_rng([seed, 0x5C0BE])  # a key of its own: not the stream of any round's sample
+    return sorted(rng.choice(num_clients, size=count, replace=False).tolist())
+
+
+def distribution(rows: list[dict], key: str) -> dict | None:
+    """How a score spreads over the scored clients, not only its mean: mean, |D_k|-weighted mean
+    (|D_k|: training examples), the mean of the worst 10% of clients (at least one), min, median
+    and max. None when no client has the score."""
+    pairs = [(r[key], r["n_train"]) for r in rows if r[key] is not None]
+    if not pairs:
+        return None
+    values = np.array([v for v, _ in pairs], dtype=float)
+    sizes = np.array([n for _, n in pairs], dtype=float)
+    worst = np.sort(values)[:max(1, int(np.ceil(0.1 * len(values))))]
+    return {"clients": len(values), "mean": float(values.mean()),
+            "weighted_mean": float((values * sizes).sum() / sizes.sum()),
+            "worst_10pct_mean": float(worst.mean()), "min": float(values.min()),
+            "median": float(np.median(values)), "max": float(values.max())}
+
+
+def results_summary(cfg: RunConfig, rows: list[dict], truncated: int, data_info: dict | None = None,
+                    num_clients: int | None = None) -> dict:
+    """`results.json` from the per-client rows (averages are plain means over the scored clients;
+    ``distribution``: the spread over clients, see `distribution`); `num_clients`: the federation's
+    size when only a sample was scored (``eval.clients``); `data`: what a partitioned or
+    your-own-data federation loaded (columns, rows dropped and why), if any."""
 
     def mean(key):
         values = [r[key] for r in rows if r[key] is not None]
@@ -83,7 +111,9 @@ def results_summary(cfg: RunConfig, rows: list[dict], truncated: int, data_info:
         "avg_rouge_l_global": mean("rouge_l_global"),
         "avg_rouge_l_base": mean("rouge_l_base"),
         "truncated_train_examples": truncated,
-    } | ({"data": data_info} if data_info is not None else {})
+        "distribution": {kind: distribution(rows, f"rouge_l_{kind}") for kind in ("personalized", "global", "base")},
+    } | ({"data": data_info} if data_info is not None else {}) \
+      | ({"clients_in_federation": num_clients} if num_clients is not None and num_clients != len(rows) else {})
 
 
 def client_row(k: int, name: str, n_train: int, n_test: int, personalized: float, global_: float,
@@ -183,10 +213,13 @@ class Recorder:
     # ---- the rounds -----------------------------------------------------------------
     def train(self, cfg: RunConfig, start: int, end: int, train_round: Callable[[int], RoundRecord],
               round_eval: Callable[[int], None], payload: Callable[[], dict],
-              after: Callable[[int, float, float], None]) -> int:
+              after: Callable[[int, float, float], None],
+              save: Callable[[int, dict], None] | None = None) -> int:
         """Rounds start..end-1: train one (`train_round`), its line, the per-round scores when
-        `eval.every` says so, a checkpoint; `after(r, mean_loss, seconds)` (progress, logs).
+        `eval.every` says so, a checkpoint (`save`, default `Recorder.save`; the in-process engine
+        adds its client files' cleanup); `after(r, mean_loss, seconds)` (progress, logs).
         Returns the rounds done."""
+        save = self.save if save is None else save
         for r in range(start, end):
             self.in_round = r
             tic = time.perf_counter()
@@ -195,7 +228,7 @@ class Recorder:
             mean_loss = self.round_line(r, seconds, rec)
             if cfg.eval.every and (r + 1) % cfg.eval.every == 0:
                 round_eval(r)
-            self.save(r + 1, payload())
+            save(r + 1, payload())
             after(r, mean_loss, seconds)
         self.in_round = None
         return end

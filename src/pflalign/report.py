@@ -320,6 +320,34 @@ def cost_markdown(runs: list[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- the distribution over clients --------------------------------------------
+MAX_TABLE_CLIENTS = 12  # more clients than this: Table 1 shows the average only (the CSV keeps every client)
+
+
+def distribution_markdown(runs: list[Run]) -> str:
+    """How ROUGE-L spreads over a run's scored clients, mean over each method's runs: the plain mean,
+    the |D_k|-weighted mean and the mean of the worst 10% of clients, personalized and global
+    (`lifecycle.distribution`, computed from results.json's clients, so older runs have it too)."""
+    from .lifecycle import distribution
+
+    lines = ["| Method | clients | pers. mean | pers. weighted | pers. worst 10% | glob. mean | glob. weighted "
+             "| glob. worst 10% |", "| :-- | --: | --: | --: | --: | --: | --: | --: |"]
+    for method in method_order(r.method for r in runs):
+        mine = [r for r in runs if r.method == method]
+        dists = {kind: [d for r in mine if (d := distribution(r.results["clients"], f"rouge_l_{kind}")) is not None]
+                 for kind in ("personalized", "global")}
+
+        def cell(kind: str, key: str) -> str:
+            values = [d[key] for d in dists[kind]]
+            return f"{statistics.fmean(values):.2f}" if values else "–"
+
+        clients = [d["clients"] for d in dists["personalized"]]
+        lines.append(f"| {label(method)} | {round(statistics.fmean(clients)) if clients else '–'} | "
+                     + " | ".join(cell(k, key) for k in ("personalized", "global")
+                                  for key in ("mean", "weighted_mean", "worst_10pct_mean")) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # ---- paired comparisons -------------------------------------------------------
 REFERENCE = "pflalign"
 
@@ -444,13 +472,19 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
         folder = out / dataset
         folder.mkdir(parents=True, exist_ok=True)
         tasks, rows = summarize(mine, metric)
-        table = table_markdown(tasks, rows)
+        many = len(tasks) > MAX_TABLE_CLIENTS
+        table = table_markdown([] if many else tasks, rows)
         (folder / "table.md").write_text(table)
         write_table_csv(folder / "table.csv", tasks, rows)
         lines += [f"## {dataset}", "",
                   f"Personalized {name} ×100, {_seed_note(rows)}; Avg ± 95% CI half-width (Student's t over "
                   f"seeds). Best per column **bold**, second <u>underlined</u>. "
-                  f"[table.md]({dataset}/table.md) · [table.csv]({dataset}/table.csv)", "", table]
+                  f"[table.md]({dataset}/table.md) · [table.csv]({dataset}/table.csv)"
+                  + (f" (per-client columns for all {len(tasks)} clients in table.csv)" if many else ""), "", table]
+        lines += ["### Distribution over clients", "",
+                  "ROUGE-L ×100 over each run's scored clients, mean over seeds: "
+                  "plain mean, |D_k|-weighted mean (|D_k|: training examples) and the mean of the worst 10% "
+                  "of clients (at least one).", "", distribution_markdown(mine)]
         rouge_rows = rows if metric == "rouge_l" else summarize(mine)[1]
         figures, skipped = write_figures(mine, tasks, rouge_rows, folder, client)
         for title, name in figures:

@@ -35,8 +35,10 @@ log = logging.getLogger(__name__)
 
 LOCK = ".pflalign.lock"
 ASIDE = ".pflalign-replaced"
+# "clients": the in-process engine's per-client files (client_store.py), named by the checkpoints:
+# set aside and restored with them
 RUN_FILES = (ckpt.RESULTS, ckpt.METRICS, ckpt.PREDICTIONS, ckpt.CONFIG, ckpt.CHECKPOINT, ckpt.PREVIOUS,
-             ckpt.MANIFEST)
+             ckpt.MANIFEST, "clients")
 CONFIG_KEYS = {"method", "method_args", "lora", "data", "rounds"}  # what makes a config.json pflalign's
 
 
@@ -194,7 +196,10 @@ class Aside:
             shutil.rmtree(self.folder)
             return
         for name in RUN_FILES:
-            (self.out / name).unlink(missing_ok=True)
+            if (self.out / name).is_dir():
+                shutil.rmtree(self.out / name)
+            else:
+                (self.out / name).unlink(missing_ok=True)
         ckpt.remove_stale_temporaries(self.out)
         for p in self.folder.iterdir():
             os.replace(p, self.out / p.name)

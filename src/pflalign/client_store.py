@@ -1,0 +1,184 @@
+"""Per-client state on disk: one safetensors file per client, so memory does not grow with N.
+
+Why: a client's method state and personalized adapter (pFLAlign on SmolLM2:
+Δ_k, v, P and w_k, 4 × 19.5 MB) are needed only while the client trains or
+is scored. Held for every client, they made memory and every round's
+checkpoint grow with the number of clients (issue 21: 80 MB per client,
+4.1 GB checkpoints at 64 clients). Here they live in the run folder and are
+loaded when the client is sampled.
+
+Layout: client k's record after round r (1-based rounds done) is
+``clients/<k>.r<r>.safetensors``: tensors ``state/<group>/<name>`` and
+``personalized/<name>``, the state's group names in the metadata. A file is
+written when (and only when) its client trained, and never changed after:
+the run checkpoint (`ClientStore.table`, inside ``checkpoint.pt``) names
+each client's newest file with its sha256. Crash safety follows from that:
+files written during a round that never reached a checkpoint are named by
+none, so a resumed run reads the checkpoint's files and overwrites or
+deletes the orphans; `prune` keeps every file that either checkpoint on disk
+(``checkpoint.pt`` and ``checkpoint.prev.pt``) names, so falling back to the
+previous checkpoint still finds its files. A file whose checksum does not
+match is refused with one line.
+
+The engine stays method-agnostic: a `State` is whatever groups of tensors
+the method keeps; this module only stores them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
+
+from . import checkpoint as ckpt
+from .errors import UserError
+from .params import Params, clone
+
+log = logging.getLogger(__name__)
+
+FOLDER = "clients"
+_NAME = re.compile(r"^(\d+)\.r(\d+)\.safetensors$")
+
+
+@dataclass
+class ClientRecord:
+    """What is kept of client k between its rounds: small fields in the checkpoint, tensors in its file."""
+
+    name: str  # the client's name (results.json's "task")
+    steps_taken: int = 0  # minibatches consumed: the data sampler's whole state
+    truncated: int = 0  # its training examples cut at max_seq_len (known once tokenized)
+    file: str | None = None  # its newest file in clients/ (None: it has not trained yet)
+    sha256: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "steps_taken": self.steps_taken, "truncated": self.truncated,
+                "file": self.file, "sha256": self.sha256}
+
+
+def encode(state: dict, personalized: Params | None) -> bytes:
+    """A client's state groups and personalized adapter as safetensors bytes."""
+    tensors = {f"state/{g}/{n}": t.detach() for g, group in state.items() for n, t in group.items()}
+    if personalized is not None:
+        tensors.update({f"personalized/{n}": t.detach() for n, t in personalized.items()})
+    # CPU for the writer; on CPU (the usual case) .cpu() is the tensor itself, no copy
+    tensors = {k: t.cpu().contiguous() for k, t in tensors.items()}
+    meta = {"format": "pflalign-client-1", "groups": json.dumps(list(state)),
+            "personalized": "1" if personalized is not None else "0"}
+    return save_bytes(tensors, metadata=meta)
+
+
+def decode(data: bytes, device: torch.device | str = "cpu") -> tuple[dict, Params | None]:
+    """The inverse of `encode`: (state, personalized), each group one flat buffer on `device`
+    (params.empty_like says why one buffer)."""
+    header_len = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8:8 + header_len]).get("__metadata__", {})
+    flat = load_bytes(data)
+    groups: dict[str, dict] = {g: {} for g in json.loads(meta.get("groups", "[]"))}
+    personalized: dict | None = {} if meta.get("personalized") == "1" else None
+    for key, t in flat.items():
+        kind, _, rest = key.partition("/")
+        if kind == "state":
+            group, _, name = rest.partition("/")
+            groups.setdefault(group, {})[name] = t
+        else:
+            personalized[rest] = t
+
+    def onto(params: dict) -> Params:
+        return clone({n: t.to(device) for n, t in params.items()})
+
+    return {g: onto(p) for g, p in groups.items()}, (None if personalized is None else onto(personalized))
+
+
+class ClientStore:
+    """The clients' records of one run: the small fields in memory (a few numbers per client), the
+    tensors in ``<out>/clients/``."""
+
+    def __init__(self, out: Path | str | None, names: list[str]):
+        self.folder = None if out is None else Path(out) / FOLDER
+        self.records = [ClientRecord(name) for name in names]
+        self._kept_files: set[str] = set()  # named by the checkpoint on disk before the newest
+
+    def attach(self, out: Path | str) -> None:
+        """The run folder, when the store was made before it was known."""
+        if self.folder is None:
+            self.folder = Path(out) / FOLDER
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    # ---- one client -----------------------------------------------------------------
+    def load(self, k: int, device) -> tuple[dict, Params | None] | None:
+        """Client k's (state, personalized) from its newest file; None before its first round."""
+        rec = self.records[k]
+        if rec.file is None:
+            return None
+        path = self.folder / rec.file
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise UserError(f"{path} is missing (client {k}, {rec.name!r}): the run's client files were "
+                            "changed; it cannot be resumed; start again with --overwrite") from None
+        if hashlib.sha256(data).hexdigest() != rec.sha256:
+            raise UserError(f"{path} does not match its checksum in the checkpoint (client {k}, {rec.name!r}): "
+                            "the file is damaged; start again with --overwrite")
+        return decode(data, device)
+
+    def save(self, k: int, rounds_done: int, state: dict, personalized: Params | None) -> None:
+        """Write client k's record after round `rounds_done` (atomic; named by no checkpoint until the
+        next save of the run's checkpoint)."""
+        data = encode(state, personalized)
+        name = f"{k}.r{rounds_done}.safetensors"
+        ckpt._atomic_write(self.folder / name, lambda f: f.write(data))
+        self.records[k].file, self.records[k].sha256 = name, hashlib.sha256(data).hexdigest()
+
+    # ---- the checkpoint's part ----------------------------------------------------
+    def table(self) -> list[dict]:
+        """The records for the run checkpoint (names the files it needs)."""
+        return [r.to_dict() for r in self.records]
+
+    def restore(self, table: list[dict]) -> None:
+        if [t["name"] for t in table] != [r.name for r in self.records]:
+            raise UserError(f"the checkpoint's clients ({len(table)}) are not the config's ({len(self.records)}): "
+                            "the data changed since the run started; start again with --overwrite")
+        self.records = [ClientRecord(**t) for t in table]
+        self._kept_files = {r.file for r in self.records if r.file}
+
+    def prune(self) -> None:
+        """After a checkpoint was saved: delete the files that neither it nor the previous
+        checkpoint names (older records, and orphans of a round that crashed)."""
+        current = {r.file for r in self.records if r.file}
+        keep = current | self._kept_files
+        if self.folder.is_dir():
+            for path in self.folder.iterdir():
+                if _NAME.match(path.name) and path.name not in keep:
+                    path.unlink(missing_ok=True)
+            ckpt.remove_stale_temporaries(self.folder)
+        self._kept_files = current
+
+
+def client_records(out: Path, payload: dict, fresh_state=None) -> list[dict]:
+    """Every client's {"name", "state", "personalized", "steps_taken"} from a run checkpoint, in
+    either format (clients in the checkpoint itself, before issue 21, or in clients/): for export
+    and for tests; loads all of them, so not for the engine. A client that never trained has no
+    file: its personalized adapter is None and its state ``fresh_state()`` (None without it; the
+    older format held the method's initial state)."""
+    if "clients" in payload:  # the whole federation in the checkpoint (older runs)
+        return payload["clients"]
+    if out is None:
+        raise ValueError("the run folder is needed: its clients' tensors are in <out>/clients/")
+    store = ClientStore(out, [t["name"] for t in payload["client_records"]])
+    store.restore(payload["client_records"])
+    out_list = []
+    for k, rec in enumerate(store.records):
+        loaded = store.load(k, "cpu")
+        state, personalized = loaded if loaded is not None else (fresh_state and fresh_state(), None)
+        out_list.append({"name": rec.name, "state": state, "personalized": personalized,
+                         "steps_taken": rec.steps_taken})
+    return out_list
