@@ -284,7 +284,7 @@ def _read_manifest(out: Path) -> list[dict] | None:
         return None
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -360,7 +360,7 @@ def save_run_checkpoint(out: Path, payload: dict) -> None:
                     f" is intact; free some space, then continue with --resume (same --out)" if keep is not None
                     else "no round is saved yet; free some space and start again")
             raise DiskFull(f"{exc}; {kept}") from None
-        _fsync_dir(out)
+        fsync_dir(out)
 
 
 def has_run_checkpoint(out: Path) -> bool:

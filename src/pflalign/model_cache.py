@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from . import checkpoint as ckpt
+
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # the folder's layout and content; bump to invalidate every entry
@@ -196,14 +198,6 @@ def _write_folder(tmp: Path, model, tok, key: dict) -> None:
             os.fsync(f.fileno())
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def load_dequantized(gguf: Path, dtype: torch.dtype, root: Path):
     """(model, tokenizer) of the GGUF file `gguf` in `dtype`: from its cached de-quantized copy
     under `root`, which is built first if it is missing or invalid (see the module docstring)."""
@@ -249,7 +243,7 @@ def _build(gguf: Path, dtype: torch.dtype, root: Path, folder: Path, key: dict):
             shutil.rmtree(aside, ignore_errors=True)
         os.rename(tmp, folder)
         tmp = None
-        _fsync_dir(root)
+        ckpt.fsync_dir(root)
         return cached, cached_tok
     except Exception as exc:  # the cache is an optimisation: the model as loaded is still right
         log.warning("cannot write the model cache in %s (%s); using %s as loaded", root, exc, gguf.name)
