@@ -104,10 +104,46 @@ def test_a_compatible_methods_rule_on_the_weighted_mean_is_its_rule_on_the_uploa
     ({"secagg": "yes"}, "secagg must be true or false"),
     ({"secagg-quantization-range": 1.5}, "secagg-quantization-range must be an integer"),
     ({"secagg-max-weight": 0}, "secagg-max-weight must be a number > 0"),
+    ({"dp-delta": 0}, "dp-delta must be a number > 0"),
+    ({"dp-delta": 1.0}, "dp-delta must be < 1"),
 ])
 def test_bad_privacy_options_are_refused_naming_the_key(rc, needle):
     with pytest.raises(UserError, match=needle):
         privacy.from_run_config(rc)
+
+
+@pytest.mark.parametrize("sigma, rounds, delta", [(1.0, 1, 1e-5), (1.0, 50, 1e-5), (4.0, 50, 1e-6), (0.7, 10, 1e-3)])
+def test_epsilon_lies_between_the_gaussian_bounds(sigma, rounds, delta):
+    """T Gaussian mechanisms of noise multiplier σ are ρ-zCDP with ρ = T / (2σ²), so
+    ε ≤ ρ + 2 sqrt(ρ ln(1/δ)) (Bun & Steinke 2016, Prop. 1.3); and their composition is exactly
+    one Gaussian mechanism of multiplier σ / sqrt(T) (Dong, Roth & Su 2019, μ-GDP), whose exact
+    ε at δ (Balle & Wang 2018) no correct accountant can undercut."""
+    from scipy.stats import norm
+    from scipy.optimize import brentq
+
+    eps = privacy.epsilon(sigma, rounds, delta)
+    rho = rounds / (2 * sigma**2)
+    assert eps <= rho + 2 * np.sqrt(rho * np.log(1 / delta)) + 1e-9
+    mu = np.sqrt(rounds) / sigma  # T-fold Gaussian composition = one Gaussian of sensitivity/σ' = sqrt(T)/σ
+
+    def delta_at(e):  # the exact δ(ε) of a Gaussian mechanism with μ = sensitivity / std
+        return norm.cdf(mu / 2 - e / mu) - np.exp(e) * norm.cdf(-mu / 2 - e / mu) - delta
+
+    exact = brentq(delta_at, 0, 200) if delta_at(0) > 0 else 0.0
+    assert exact - 1e-6 <= eps, (eps, exact)
+    assert eps <= 1.15 * exact  # and the RDP accountant is close to it (measured: within 5-9%)
+
+
+def test_epsilon_edge_cases_and_the_report():
+    assert privacy.epsilon(0.0, 3, 1e-5) == np.inf  # no noise: no guarantee
+    assert privacy.epsilon(2.0, 0, 1e-5) == 0.0
+    assert privacy.epsilon(2.0, 20, 1e-5) < privacy.epsilon(1.0, 20, 1e-5) < privacy.epsilon(1.0, 40, 1e-5)
+    dp = privacy.Privacy(noise_multiplier=1.0, clipping_norm=0.5).report([0.1, 0.1, None])["dp"]
+    assert dp["rounds_with_noise"] == 2 and dp["delta"] == 1e-5
+    assert dp["epsilon"] == pytest.approx(privacy.epsilon(1.0, 2, 1e-5))
+    none = privacy.Privacy(noise_multiplier=0.0, clipping_norm=0.5).report([0.0])["dp"]
+    assert none["epsilon"] is None and "no finite" in none["accountant"]
+    json.dumps(dp, allow_nan=False)  # results.json stays strict JSON
 
 
 def test_the_dp_aggregate_applies_the_methods_rule_to_the_noised_weighted_mean():
@@ -258,6 +294,7 @@ def test_secagg_and_dp_on_loopback(tmp_path):
     weights = [n / sum(n_train) for n in n_train]
     assert dp["noise_multiplier"] == 1.0 and dp["clipping_norm"] == 0.05
     assert dp["noise_std"] == [pytest.approx(1.0 * 0.05 * max(weights))]
+    assert dp["rounds_with_noise"] == 1 and dp["epsilon"] == pytest.approx(privacy.epsilon(1.0, 1, dp["delta"]))
     moved = torch.cat([(glob["dpnoise"][n] - glob["plain"][n]).reshape(-1) for n in glob["plain"]])
     print(f"dp: noise std {dp['noise_std'][0]:.4g}, std of (dp - plain) {float(moved.std()):.4g}")
     assert float(moved.std()) == pytest.approx(dp["noise_std"][0], rel=0.2)

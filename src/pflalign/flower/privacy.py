@@ -17,8 +17,11 @@ server rule needs only the data-weighted sum of the uploads
   deviation is ``dp-noise-multiplier`` × C × max_k p_k (the sensitivity of
   Σ_k p_k u_k with p_k the data weights); with equal weights that is
   Flower's σ C / m. The noise level of each round goes to ``metrics.jsonl``
-  and ``results.json``; no (ε, δ) is computed (Flower's accountant needs the
-  optional ``dp-accounting`` package and equal weights).
+  and ``results.json``, with the client-level (ε, δ) of the whole run
+  (`epsilon`: ``dp-delta``, Google's ``dp-accounting`` RDP accountant over
+  the rounds that added noise, each a Gaussian mechanism of noise multiplier
+  σ). No amplification by sampling is claimed when ``participation`` < 1, so
+  ε is then an upper bound.
 * **SecAgg+** (``secagg = true``): Flower's ``SecAggPlusWorkflow`` on the
   server and ``secaggplus_mod`` on the clients. The server gets only the
   masked, quantized uploads and their sum (the workflow weights each by the
@@ -63,6 +66,7 @@ from . import validate
 OPTIONS = {
     "dp-noise-multiplier": 0.0,  # σ: the noise's std is σ x clipping norm x the largest data weight
     "dp-clipping-norm": 0.0,  # C > 0 turns DP on: each upload's change is clipped to norm C on its client
+    "dp-delta": 1e-5,  # the δ of the (ε, δ) reported in results.json
     "secagg": False,  # Flower's SecAgg+: the server sees only the sum of the uploads
     "secagg-num-shares": 1.0,  # SecAggPlusWorkflow's num_shares (a float: that fraction of the round's clients)
     "secagg-reconstruction-threshold": 0.67,  # and reconstruction_threshold (a float: fraction of the shares)
@@ -83,6 +87,7 @@ class Privacy:
     clipping_range: float = 8.0
     quantization_range: int = 4194304
     max_weight: float = 1000.0
+    delta: float = 1e-5
 
     @property
     def dp(self) -> bool:
@@ -92,12 +97,20 @@ class Privacy:
         """The options switched on, as the run config spells them."""
         return " and ".join(filter(None, [self.dp and "dp-clipping-norm", self.secagg and "secagg=true"]))
 
-    def report(self) -> dict:
-        """`results.json`'s ``flower.privacy``."""
+    def report(self, noise_std: list[float | None] | None = None) -> dict:
+        """`results.json`'s ``flower.privacy``; `noise_std`: the noise of each round (None: no noise
+        added, e.g. a round not run), from which the run's (ε, δ) follows."""
         out = {}
         if self.dp:
+            noised = sum(std is not None for std in noise_std or [])
+            eps = epsilon(self.noise_multiplier, noised, self.delta)
             out["dp"] = {"mechanism": "Gaussian, client-side fixed clipping (Flower fixedclipping_mod)",
-                         "noise_multiplier": self.noise_multiplier, "clipping_norm": self.clipping_norm}
+                         "noise_multiplier": self.noise_multiplier, "clipping_norm": self.clipping_norm,
+                         "noise_std": noise_std, "rounds_with_noise": noised, "delta": self.delta,
+                         "epsilon": eps if eps is not None and math.isfinite(eps) else None,
+                         "accountant": ("dp-accounting RDP, no amplification by sampling (an upper bound)"
+                                        if eps is not None else "none: install dp-accounting for ε"
+                                        ) + ("; no noise, so no finite ε" if eps == math.inf else "")}
         if self.secagg:
             out["secagg"] = {k: v for k, v in asdict(self).items()
                              if k in ("num_shares", "reconstruction_threshold", "clipping_range",
@@ -124,7 +137,9 @@ def from_run_config(rc: dict) -> Privacy:
                       number("secagg-reconstruction-threshold", 0, strict=True),
                       number("secagg-clipping-range", 0, strict=True),
                       number("secagg-quantization-range", 1, integer=True, strict=True),
-                      number("secagg-max-weight", 0, strict=True))
+                      number("secagg-max-weight", 0, strict=True), number("dp-delta", 0, strict=True))
+    if privacy.delta >= 1:
+        raise UserError(f"run config dp-delta must be < 1, got {privacy.delta!r}")
     if privacy.noise_multiplier > 0 and not privacy.dp:
         raise UserError("run config dp-noise-multiplier needs dp-clipping-norm > 0 (the noise is sized by it)")
     if privacy.secagg and privacy.reconstruction_threshold > 1 and privacy.num_shares <= 1:
@@ -165,7 +180,25 @@ def compatible(dp: bool) -> list[str]:
     return [cls.name for cls in REGISTRY if why_not(cls(), w0, dp) is None]
 
 
-# ---- DP: the noise ------------------------------------------------------------------------
+# ---- DP: the noise and its (ε, δ) ------------------------------------------------------------
+def epsilon(noise_multiplier: float, rounds: int, delta: float) -> float | None:
+    """Client-level ε of `rounds` Gaussian mechanisms of noise multiplier σ (noise std over the
+    sensitivity), composed, at `delta` (Rényi DP accountant of Google's dp-accounting, the one
+    Flower and Opacus use). inf without noise; 0 rounds: 0; None if dp-accounting is missing."""
+    if rounds == 0:
+        return 0.0
+    if noise_multiplier == 0:
+        return math.inf
+    try:
+        from dp_accounting import dp_event
+        from dp_accounting.rdp import rdp_privacy_accountant
+    except ImportError:
+        return None
+    accountant = rdp_privacy_accountant.RdpAccountant()
+    accountant.compose(dp_event.GaussianDpEvent(noise_multiplier), rounds)
+    return float(accountant.get_epsilon(delta))
+
+
 def weighted_mean(messages: list[Message], weights: list[float]) -> Message:
     """Σ_k weights[k] · messages[k], group by group, in float64 (what the SecAgg+ sum gives too)."""
     out = {}

@@ -154,9 +154,8 @@ def evaluate(grid: Grid, strategy: MethodStrategy, timeout: float) -> dict:
         "missing_clients": [{"id": k, "task": strategy.nodes.names[k], "reason": why}
                             for k, why in sorted(missing.items())],
     }
-    report = strategy.privacy.report()
-    if "dp" in report:  # the noise each round's mean got (also in that round's metrics.jsonl line)
-        report["dp"]["noise_std"] = [strategy.noise_std.get(r) for r in range(cfg.rounds)]
+    # the noise each round's mean got (also in that round's metrics.jsonl line), and the (ε, δ) it gives
+    report = strategy.privacy.report([strategy.noise_std.get(r) for r in range(cfg.rounds)])
     if report:
         results["flower"]["privacy"] = report
     return results
