@@ -24,6 +24,7 @@ import math
 import torch
 
 from ..methods.base import Message, Method, Params
+from .wire import wire_dtype  # the dtype a tensor arrives in (bfloat16 travels as float32)
 
 # group → tensor name → (shape, dtype on the wire)
 Expected = dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
@@ -31,11 +32,6 @@ Expected = dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
 
 class InvalidUpdate(Exception):
     """A client's reply that the server does not aggregate; the message says why."""
-
-
-def wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """bfloat16 travels as float32 (see `wire`); everything else as it is."""
-    return torch.float32 if dtype == torch.bfloat16 else dtype
 
 
 def expected_message(method: Method, global_params: Params) -> Expected:
