@@ -14,11 +14,12 @@ SuperLink → SuperNode → ClientApp, two at a time), and a ClientApp that
 asks its SuperNode for an object still in transit retries it after 1, 2, 4,
 8, 10 s (``flwr.supercore.constant.PULL_INITIAL_BACKOFF``,
 ``PULL_BACKOFF_CAP``): with 433 objects per message the ServerApp's push of
-round 1 alone took 64 s on the Deployment Engine (benchmarks/README.md). The same flat array stays meaningful
-for Flower's mods that work on a message's arrays: its L2 norm is the norm
-over all tensors (``fixedclipping_mod``), it is summed element-wise
-(``secaggplus_mod``), and a reply's params carry the same name (layout) as
-the ``global`` record they answer, as ``fixedclipping_mod`` requires.
+round 1 alone took 64 s on the Deployment Engine (benchmarks/README.md).
+The flat array stays meaningful for Flower's mods that work on a message's
+arrays: its L2 norm is the norm over all tensors (``fixedclipping_mod``),
+it is summed element-wise (``secaggplus_mod``), and a reply's params carry
+the same name (layout) as the ``global`` record they answer, as
+``fixedclipping_mod`` requires.
 
 The records are named ``global`` (w^r), ``broadcast/<group>`` (what
 ``method.broadcast`` adds, e.g. SCAFFOLD's ``broadcast/c``) and
