@@ -7,7 +7,7 @@ The test copies this file into a Flower app folder whose pyproject.toml names
 
 from __future__ import annotations
 
-from flwr.app import ArrayRecord, Context, Message
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from pflalign.flower import client_app, wire
@@ -40,9 +40,9 @@ def train(msg: Message, context: Context) -> Message:
     reply = client_app.train(msg, context)
     if int(context.node_config["partition-id"]) == MALICIOUS:
         key = wire.MESSAGE + "params"
-        params = reply.content[key].to_torch_state_dict()
-        global_params = msg.content[wire.GLOBAL].to_torch_state_dict()
-        reply.content[key] = ArrayRecord(corrupt(params, global_params, int(msg.content["config"]["round"])))
+        params = wire.from_record(reply.content[key], None)  # a well-formed record of corrupt tensors
+        global_params = wire.from_record(msg.content[wire.GLOBAL], None)
+        reply.content[key] = wire.to_record(corrupt(params, global_params, int(msg.content["config"]["round"])))
     return reply
 
 

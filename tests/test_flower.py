@@ -67,17 +67,54 @@ def test_params_cross_the_wire_exactly_with_their_names():
     from pflalign.flower import wire
 
     params = {"a.lora_A.weight": torch.randn(4, 3), "a.lora_B.weight": torch.randn(3, 4)}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         typed = {n: t.to(dtype) for n, t in params.items()}
-        back = wire.from_record(wire.to_record(typed), dtype)
+        record = wire.to_record(typed)
+        assert len(record) == 1  # one flat array per group (see wire.py: Flower sends each Array as an object)
+        back = wire.from_record(record, dtype)
         assert list(back) == list(typed)
         assert all(back[n].dtype == dtype and torch.equal(back[n], typed[n]) for n in typed)
+        as_sent = wire.from_record(record, None)  # the server's view: bfloat16 arrives as float32
+        assert all(as_sent[n].dtype == wire.wire_dtype(dtype) and torch.equal(as_sent[n].to(dtype), typed[n])
+                   for n in typed)
     content = RecordDict({**wire.pack(wire.MESSAGE, {"params": params, "delta_c": params}),
                           wire.GLOBAL: wire.to_record(params)})
     assert set(content.array_records) == {"message/params", "message/delta_c", "global"}
     assert set(wire.unpack(content, wire.MESSAGE, torch.float32)) == {"params", "delta_c"}
     assert wire.unpack(RecordDict(wire.pack(wire.MESSAGE, {})), wire.MESSAGE, torch.float32) == {}
 
+
+
+def test_the_flat_array_keeps_the_norm_and_sums_elementwise_and_bad_layouts_are_refused():
+    """What Flower's fixedclipping_mod and secaggplus_mod see (one array: the norm over all
+    tensors; element-wise sums), and what a malformed record from a client gets: `LayoutError`."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord
+
+    from pflalign.flower import wire
+
+    a = {"x.lora_A.weight": torch.randn(4, 3), "x.lora_B.weight": torch.randn(3, 4)}
+    b = {n: torch.randn_like(t) for n, t in a.items()}
+    (ka, fa), = wire.to_record(a).items()
+    (kb, fb), = wire.to_record(b).items()
+    assert ka == kb  # same layout, same name: a reply's params match the global record they answer
+    norm = torch.sqrt(sum((t.double() ** 2).sum() for t in a.values()))
+    assert np.isclose(np.linalg.norm(fa.numpy().astype(np.float64)), float(norm), rtol=1e-12)
+    summed = wire.from_record(ArrayRecord({ka: Array(fa.numpy() + fb.numpy())}), None)
+    assert all(torch.equal(summed[n], a[n] + b[n]) for n in a)
+    flat = fa.numpy()
+    bad = {"too short": ArrayRecord({ka: Array(flat[:-1])}),
+           "float64": ArrayRecord({ka: Array(flat.astype(np.float64))}),
+           "two arrays": ArrayRecord({ka: Array(flat), "y": Array(flat)}),
+           "not a layout": ArrayRecord({"x.lora_A.weight": Array(flat)}),
+           "duplicate names": ArrayRecord({'[["x",[12],"float32"],["x",[12],"float32"]]': Array(flat)}),
+           "negative shape": ArrayRecord({'[["x",[-24],"float32"]]': Array(flat)}),
+           "unknown dtype": ArrayRecord({'[["x",[24],"int64"]]': Array(flat)})}
+    for case, record in bad.items():
+        with pytest.raises(wire.LayoutError):
+            wire.from_record(record, None)
+    with pytest.raises(TypeError):
+        wire.to_record({"x": torch.zeros(2, dtype=torch.float64)})  # float32 cannot hold it exactly
 
 def test_run_config_maps_to_pflalign_run_keys():
     import tomllib

@@ -1,8 +1,11 @@
 """The server's checks on a client's reply before it is aggregated: clients are not trusted.
 
 A training reply is accepted only if its update (the method's message: one
-ArrayRecord per group, ``message/<group>``) has exactly the groups, tensor
-names, shapes and dtypes that the method's client rule produces
+ArrayRecord per group, ``message/<group>``, each one flat array that
+`wire.from_record` cuts into tensors by its layout, refusing one that does
+not fit it: the strategy rejects such a reply as "cannot decode") has
+exactly the groups, tensor names, shapes and dtypes that the method's
+client rule produces
 (`expected_message`), every value is finite, it is not all zeros and changes the
 model, its norm is within ``max-update-ratio`` times the global model's norm
 (default 10) and within ``max-update-norm`` when that bound is set, it carries
@@ -24,6 +27,7 @@ import math
 import torch
 
 from ..methods.base import Message, Method, Params
+from .wire import wire_dtype  # the dtype a tensor arrives in (bfloat16 travels as float32)
 
 # group → tensor name → (shape, dtype on the wire)
 Expected = dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
@@ -31,11 +35,6 @@ Expected = dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
 
 class InvalidUpdate(Exception):
     """A client's reply that the server does not aggregate; the message says why."""
-
-
-def wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """bfloat16 travels as float32 (see `wire`); everything else as it is."""
-    return torch.float32 if dtype == torch.bfloat16 else dtype
 
 
 def expected_message(method: Method, global_params: Params) -> Expected:

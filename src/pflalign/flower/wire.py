@@ -1,15 +1,35 @@
 """What crosses the wire between the ServerApp and the ClientApps, and the
 configuration of a Flower run.
 
-Only LoRA tensors travel. Each `Params` group is one ArrayRecord whose array
-names are the adapter's parameter names (PEFT's, e.g.
-``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight``);
-the records are named ``global`` (w^r), ``broadcast/<group>`` (what
+Only LoRA tensors travel. Each `Params` group is one ArrayRecord holding ONE
+flat array: its tensors, flattened and concatenated in order, as float32. The
+array's name in the record is its layout, a JSON list of ``[name, shape,
+dtype]`` per tensor (the adapter's parameter names, PEFT's, e.g.
+``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight``),
+which is all that is needed to cut it back into the same tensors (`LayoutError`
+when it does not fit). One array rather than one per tensor (420 for
+SmolLM2's LoRA) because Flower 1.41 sends every Array (and every 5 MB chunk
+of one) as its own object, one request each on every hop (ServerApp →
+SuperLink → SuperNode → ClientApp, two at a time), and a ClientApp that
+asks its SuperNode for an object still in transit retries it after 1, 2, 4,
+8, 10 s (``flwr.supercore.constant.PULL_INITIAL_BACKOFF``,
+``PULL_BACKOFF_CAP``): with 433 objects per message the ServerApp's push of
+round 1 alone took 64 s on the Deployment Engine (benchmarks/README.md).
+The flat array stays meaningful for Flower's mods that work on a message's
+arrays: its L2 norm is the norm over all tensors (``fixedclipping_mod``),
+it is summed element-wise (``secaggplus_mod``), and a reply's params carry
+the same name (layout) as the ``global`` record they answer, as
+``fixedclipping_mod`` requires.
+
+The records are named ``global`` (w^r), ``broadcast/<group>`` (what
 ``method.broadcast`` adds, e.g. SCAFFOLD's ``broadcast/c``) and
 ``message/<group>`` (what ``method.client_end`` returns, e.g.
 ``message/params``, ``message/delta_c``). bfloat16 has no NumPy dtype: such
-tensors travel as float32 (exact) and are cast back on arrival. A client's
-method state never travels unless the method puts it in its message.
+tensors travel as float32 (exact) and are cast back on arrival; so do
+float16 ones (exact), but they are decoded as float16. float32 is the only
+wire dtype of the flat array, so a tensor that float32 cannot hold exactly
+(float64, integers) is refused at sending. A client's method state never
+travels unless the method puts it in its message.
 
 Run configuration (``[tool.flwr.app.config]`` in pyproject.toml, overridden
 with ``flwr run --run-config``): ``config`` and ``set`` are ``pflalign run
@@ -21,10 +41,12 @@ same one. The other keys are about the Flower run itself (`RUN_DEFAULTS`).
 from __future__ import annotations
 
 import json
+import math
 import shlex
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import Array, ArrayRecord, RecordDict
 
 from ..config import RunConfig, build_config, parse_set, to_dict
 from ..errors import UserError
@@ -53,15 +75,76 @@ RUN_DEFAULTS = {
 
 
 # ---- tensors ------------------------------------------------------------------
+FLAT_DTYPE = torch.float32  # the flat array's dtype: every tensor below travels in it exactly
+# dtype on the wire (the layout's name for it) → torch dtype; bfloat16 travels as float32
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+class LayoutError(ValueError):
+    """A record that is not one flat array with a layout that fits it (e.g. a client's malformed reply)."""
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of `dtype` is decoded as: bfloat16 travels as float32 (exact, no NumPy
+    bfloat16), float16 and float32 as they are; anything else cannot travel (`to_record` refuses it)."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
 def to_record(params: Params) -> ArrayRecord:
+    """`params` as one flat float32 array named by its layout (see the module docstring)."""
     if not params:
         return ArrayRecord()
-    return ArrayRecord({n: (t.float() if t.dtype == torch.bfloat16 else t).detach().cpu() for n, t in params.items()})
+    layout, flat = [], []
+    for name, t in params.items():
+        dtype = wire_dtype(t.dtype)
+        if dtype not in WIRE_DTYPES.values():
+            raise TypeError(f"{name}: a {t.dtype} tensor cannot travel in a float32 array exactly")
+        layout.append([name, list(t.shape), str(dtype).removeprefix("torch.")])
+        flat.append(t.detach().to("cpu", FLAT_DTYPE).reshape(-1))
+    key = json.dumps(layout, separators=(",", ":"))
+    return ArrayRecord({key: Array(torch.cat(flat).numpy())})
+
+
+def read_layout(record: ArrayRecord) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The (name, shape, dtype) of each tensor in `record`, checked against its flat array
+    (the record may come from an untrusted client: `LayoutError` says what is wrong)."""
+    if len(record) != 1:
+        raise LayoutError(f"expected one flat array, got {len(record)} arrays")
+    key, array = next(iter(record.items()))
+    try:
+        items = json.loads(key)
+        layout = [(name, tuple(shape), WIRE_DTYPES[dtype]) for name, shape, dtype in items]
+    except (ValueError, TypeError, KeyError) as exc:  # JSONDecodeError is a ValueError
+        raise LayoutError(f"the array's name is not a layout ({type(exc).__name__}: {exc})") from None
+    names = [name for name, _, _ in layout]
+    if not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise LayoutError("the layout's tensor names are not distinct strings")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for _, shape, _ in layout for d in shape):
+        raise LayoutError("the layout has a shape that is not a list of non-negative integers")
+    size = sum(math.prod(shape) for _, shape, _ in layout)
+    if array.dtype != str(FLAT_DTYPE).removeprefix("torch.") or list(array.shape) != [size]:
+        raise LayoutError(f"the flat array is {array.dtype} {tuple(array.shape)}, its layout needs float32 ({size},)")
+    return layout
 
 
 def from_record(record: ArrayRecord, dtype: torch.dtype | None, device="cpu") -> Params:
-    """The tensors of `record` (cast to `dtype`; None: as they arrived)."""
-    return {n: t.to(device=device, dtype=dtype) for n, t in record.to_torch_state_dict().items()}
+    """The tensors of `record` (cast to `dtype`; None: in their wire dtype, `wire_dtype`),
+    bit-identical to those sent, each in its own storage (not views of the flat array)."""
+    if not record:
+        return {}
+    layout = read_layout(record)
+    data = next(iter(record.values())).numpy()  # the bytes themselves, whatever the metadata said
+    size = sum(math.prod(shape) for _, shape, _ in layout)
+    if data.dtype != np.float32 or data.shape != (size,):
+        raise LayoutError(f"the flat array holds {data.dtype} {data.shape}, its layout needs float32 ({size},)")
+    flat = torch.from_numpy(data)
+    tensors, start = {}, 0
+    for name, shape, wire in layout:
+        n = math.prod(shape)
+        t = flat[start:start + n].reshape(shape).to(wire)
+        tensors[name] = t.to(device=device, dtype=dtype or wire, copy=True)
+        start += n
+    return tensors
 
 
 def pack(prefix: str, groups: dict[str, Params]) -> dict[str, ArrayRecord]:
@@ -75,7 +158,7 @@ def unpack(content: RecordDict, prefix: str, dtype: torch.dtype | None, device="
 
 
 def payload_bytes(content: RecordDict) -> int:
-    """The tensor bytes of a message (array data and names; Flower's framing not counted)."""
+    """The tensor bytes of a message (array data and their layouts; Flower's framing not counted)."""
     return sum(rec.count_bytes() for rec in content.array_records.values())
 
 
