@@ -99,7 +99,8 @@ def test_a_file_size_limit_while_saving_names_the_file_and_keeps_the_checkpoint(
                           env=env, preexec_fn=limit, capture_output=True, text=True, timeout=300)
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
-    assert err[-1].startswith("pflalign: error: cannot write") and "checkpoint.pt" in err[-1]
+    # the first file over the limit: client 0's state after round 2 (its own file since issue 21)
+    assert err[-1].startswith("pflalign: error: cannot write") and "clients/0.r2.safetensors" in err[-1]
     assert "the previous checkpoint (after round 1) is intact" in err[-1] and "--resume" in err[-1]
     assert not any("Traceback" in line for line in err)
     assert (out / ckpt.CHECKPOINT).read_bytes() == before

@@ -135,7 +135,13 @@ class ClientStore:
         next save of the run's checkpoint)."""
         data = encode(state, personalized)
         name = f"{k}.r{rounds_done}.safetensors"
-        ckpt._atomic_write(self.folder / name, lambda f: f.write(data))
+        try:
+            ckpt._atomic_write(self.folder / name, lambda f: f.write(data))
+        except ckpt.DiskFull as exc:  # no checkpoint names this round's files yet: the last one is whole
+            last = rounds_done - 1
+            raise ckpt.DiskFull(f"{exc}; " + (f"the previous checkpoint (after round {last}) is intact; free some "
+                                              "space, then continue with --resume (same --out)" if last > 0 else
+                                              "no round is saved yet; free some space and start again")) from None
         self.records[k].file, self.records[k].sha256 = name, hashlib.sha256(data).hexdigest()
 
     # ---- the checkpoint's part ----------------------------------------------------

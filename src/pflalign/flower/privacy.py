@@ -60,20 +60,11 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, add_gaussian_
 from ..errors import UserError
 from ..methods import REGISTRY
 from ..methods.base import Message, Method, Params
-from . import validate
+from . import validate, wire
 
-# run-config key → default (wire.RUN_DEFAULTS and pyproject.toml hold them too)
-OPTIONS = {
-    "dp-noise-multiplier": 0.0,  # σ: the noise's std is σ x clipping norm x the largest data weight
-    "dp-clipping-norm": 0.0,  # C > 0 turns DP on: each upload's change is clipped to norm C on its client
-    "dp-delta": 1e-5,  # the δ of the (ε, δ) reported in results.json
-    "secagg": False,  # Flower's SecAgg+: the server sees only the sum of the uploads
-    "secagg-num-shares": 1.0,  # SecAggPlusWorkflow's num_shares (a float: that fraction of the round's clients)
-    "secagg-reconstruction-threshold": 0.67,  # and reconstruction_threshold (a float: fraction of the shares)
-    "secagg-clipping-range": 8.0,  # every weighted upload value is clipped to [-this, this] before quantization
-    "secagg-quantization-range": 4194304,  # 2**22 levels over that range
-    "secagg-max-weight": 1000.0,  # >= every client's |D_k|; the quantization error grows with max-weight / |D_k|
-}
+# The privacy keys of the run config and their defaults (wire.RUN_DEFAULTS holds them with the
+# others, so that the wire format needs nothing from this module).
+OPTIONS = {k: v for k, v in wire.RUN_DEFAULTS.items() if k.startswith(("dp-", "secagg"))}
 LEGACY_FITINS = "fitins.config"  # the ConfigRecord of a SecAgg+ training message (Flower's legacy layout)
 
 

@@ -51,7 +51,6 @@ from flwr.app import Array, ArrayRecord, RecordDict
 from ..config import RunConfig, build_config, parse_set, to_dict
 from ..errors import UserError
 from ..methods.base import Params
-from .privacy import OPTIONS as PRIVACY_OPTIONS
 
 GLOBAL = "global"
 BROADCAST = "broadcast/"
@@ -70,7 +69,16 @@ RUN_DEFAULTS = {
     "client-dir": "",  # where clients keep their state when the node config has no state-dir
     "max-update-norm": 0.0,  # reject a client update whose norm exceeds this (see validate.py); 0: no bound
     "max-update-ratio": 10.0,  # reject an update larger than this x the global model's norm (validate.py); 0: off
-    **PRIVACY_OPTIONS,  # differential privacy and SecAgg+ (privacy.py)
+    # differential privacy and SecAgg+ (privacy.py, docs/distributed.md)
+    "dp-noise-multiplier": 0.0,  # σ: the noise's std is σ x clipping norm x the largest data weight
+    "dp-clipping-norm": 0.0,  # C > 0 turns DP on: each upload's change is clipped to norm C on its client
+    "dp-delta": 1e-5,  # the δ of the (ε, δ) reported in results.json
+    "secagg": False,  # Flower's SecAgg+: the server sees only the sum of the uploads
+    "secagg-num-shares": 1.0,  # SecAggPlusWorkflow's num_shares (a float: that fraction of the round's clients)
+    "secagg-reconstruction-threshold": 0.67,  # and reconstruction_threshold (a float: fraction of the shares)
+    "secagg-clipping-range": 8.0,  # every weighted upload value is clipped to [-this, this] before quantization
+    "secagg-quantization-range": 4194304,  # 2**22 levels over that range
+    "secagg-max-weight": 1000.0,  # >= every client's |D_k|; the quantization error grows with max-weight / |D_k|
 }
 
 
