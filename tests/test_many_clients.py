@@ -183,3 +183,22 @@ def test_an_overwrite_failing_before_its_first_checkpoint_restores_the_old_clien
     assert {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
     run(None, out, resume=True, progress=False)  # the old run goes on from its own files
     assert json.loads((out / ckpt.RESULTS).read_text())["method"] == "pflalign"
+
+
+def test_export_reads_one_client_at_a_time(tmp_path, monkeypatch):
+    """`pflalign export` writes each client's adapter right after reading its file: it never
+    holds every client's tensors at once (with many clients they would not fit)."""
+    from pflalign import client_store, export
+
+    run(config(rounds=1), tmp_path / "run", progress=False)
+    events = []
+    load, write = client_store.ClientStore.load, export.write_adapter
+    monkeypatch.setattr(client_store.ClientStore, "load",
+                        lambda self, k, device: events.append(("read", k)) or load(self, k, device))
+    monkeypatch.setattr(export, "write_adapter",
+                        lambda folder, *a, **kw: events.append(("write", folder.name)) or write(folder, *a, **kw))
+    export.export_run(tmp_path / "run", tmp_path / "out")
+    assert events == [("write", "global")] + [e for k, name in enumerate(FOUR) for e in (("read", k), ("write", name))]
+    events.clear()
+    export.export_run(tmp_path / "run", tmp_path / "one", client="key_value")
+    assert events == [("read", 2), ("write", "key_value")]

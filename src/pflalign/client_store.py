@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,22 +170,35 @@ class ClientStore:
         self._kept_files = current
 
 
-def client_records(out: Path, payload: dict, fresh_state=None) -> list[dict]:
+def client_records(out: Path, payload: dict, fresh_state=None) -> Sequence[dict]:
     """Every client's {"name", "state", "personalized", "steps_taken"} from a run checkpoint, in
     either format (clients in the checkpoint itself, before issue 21, or in clients/): for export
-    and for tests; loads all of them, so not for the engine. A client that never trained has no
-    file: its personalized adapter is None and its state ``fresh_state()`` (None without it; the
-    older format held the method's initial state)."""
+    and for tests. Client k's tensors are read from its file when item k is asked for and not
+    kept, so going through the clients one at a time holds one client's tensors at a time. A
+    client that never trained has no file: its personalized adapter is None and its state
+    ``fresh_state()`` (None without it; the older format held the method's initial state)."""
     if "clients" in payload:  # the whole federation in the checkpoint (older runs)
         return payload["clients"]
     if out is None:
         raise ValueError("the run folder is needed: its clients' tensors are in <out>/clients/")
     store = ClientStore(out, [t["name"] for t in payload["client_records"]])
     store.restore(payload["client_records"])
-    out_list = []
-    for k, rec in enumerate(store.records):
-        loaded = store.load(k, "cpu")
-        state, personalized = loaded if loaded is not None else (fresh_state and fresh_state(), None)
-        out_list.append({"name": rec.name, "state": state, "personalized": personalized,
-                         "steps_taken": rec.steps_taken})
-    return out_list
+    return _StoredClients(store, fresh_state)
+
+
+class _StoredClients(Sequence):
+    """`client_records`' clients: client k's tensors loaded from its file on each access."""
+
+    def __init__(self, store: ClientStore, fresh_state):
+        self.store, self.fresh_state = store, fresh_state
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        rec = self.store.records[k]
+        loaded = self.store.load(k, "cpu")
+        state, personalized = loaded if loaded is not None else (self.fresh_state and self.fresh_state(), None)
+        return {"name": rec.name, "state": state, "personalized": personalized, "steps_taken": rec.steps_taken}

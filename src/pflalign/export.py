@@ -115,31 +115,52 @@ def read_adapter(folder: Path) -> dict[str, torch.Tensor]:
 
 
 # ---- a run's adapters -------------------------------------------------------------
-def run_adapters(cfg, payload: dict, clients: list[str], out: Path | None = None) -> dict[str, dict]:
+def run_adapters(cfg, payload: dict, clients: list[str], out: Path | None = None) -> Mapping[str, dict]:
     """{"global": w, client name: its personalized adapter as evaluated} from a run checkpoint
     (`out`: the run folder, where a run since issue 21 keeps its clients' files); `clients`: the
-    names wanted (a client that never trained gets the global adapter)."""
+    names wanted (a client that never trained gets the global adapter). A mapping that reads a
+    client's file when its adapter is asked for: writing them one by one holds one at a time,
+    however many clients the run has."""
     from .client_store import client_records
     from .config import make_method
 
-    method = make_method(cfg)
     global_params = payload["global"]
     if "clients" not in payload and "client_records" not in payload:
         return {GLOBAL: global_params}  # a Flower run: the personalized models stay on the clients' nodes
     if "clients" in payload and len(payload["clients"]) != len(clients):
         raise UserError(f"the checkpoint holds {len(payload['clients'])} clients, the run names {len(clients)}")
     records = client_records(out, payload)
-    by_name = {rec.get("name", name): rec for name, rec in zip(clients, records)} if "clients" in payload \
-        else {rec["name"]: rec for rec in records}
-    out_params = {GLOBAL: global_params}
+    names = [rec.get("name", name) for name, rec in zip(clients, records)] if "clients" in payload \
+        else [rec["name"] for rec in payload["client_records"]]
+    index = {name: k for k, name in enumerate(names)}
     for name in clients:
-        saved = by_name.get(name)
-        if saved is None:
+        if name not in index:
             raise UserError(f"the checkpoint holds no client {name!r}")
+    return _RunAdapters(make_method(cfg), global_params, records, {name: index[name] for name in clients})
+
+
+class _RunAdapters(Mapping):
+    """`run_adapters`' result: the global adapter, and each client's read when asked for."""
+
+    def __init__(self, method, global_params: dict, records, index: dict[str, int]):
+        self.method, self.global_params, self.records, self.index = method, global_params, records, index
+
+    def __iter__(self):
+        return iter([GLOBAL, *self.index])
+
+    def __len__(self) -> int:
+        return 1 + len(self.index)
+
+    def __contains__(self, name) -> bool:  # without reading the file
+        return name == GLOBAL or name in self.index
+
+    def __getitem__(self, name: str) -> dict:
+        if name == GLOBAL:
+            return self.global_params
+        saved = self.records[self.index[name]]
         personal = saved["personalized"]
-        out_params[name] = global_params if personal is None else \
-            method.personalized_after_aggregation(global_params, personal, saved["state"])
-    return out_params
+        return self.global_params if personal is None else \
+            self.method.personalized_after_aggregation(self.global_params, personal, saved["state"])
 
 
 def write_adapters(folder: Path, cfg, adapters: dict[str, dict], info: dict | None = None) -> dict[str, Path]:
@@ -250,7 +271,7 @@ def export_run(run_dir: Path, out: Path, client: str | None = None, merged: bool
         raise UserError(f"{run_dir} is a Flower run: client {client!r}'s personalized adapter is on its own "
                         "node (adapters/ in its state folder)")
     if client is not None:
-        adapters = {client: adapters[client]}
+        adapters = {client: adapters[client]}  # only its file is read
     info = {"method": cfg.method, "dataset": cfg.data.name, "seed": cfg.seed,
             "rounds": cfg.rounds, "rounds_done": payload["rounds_done"], "run": str(Path(run_dir).resolve())}
     out = Path(out)
