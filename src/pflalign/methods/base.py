@@ -111,7 +111,8 @@ def equal_weights(count: int) -> list[float]:
 class Aggregation:
     """One round's server rule fed one reply at a time: `add(i, message)` for the i-th
     participant (in client order, i = 0, 1, ...), then `finish()` → w^{r+1}. It holds the
-    method's running sums (`Method.aggregation_sums`), one adapter each, and no message."""
+    method's running sums (`Method.aggregation_sums`), one adapter each, and no message; the
+    server state changes only in `finish` (a round that stops midway leaves it as it was)."""
 
     def __init__(self, method: Method, global_params: Params, weights: list[float], server_state: State,
                  ctx: RoundContext):
