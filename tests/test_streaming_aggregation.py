@@ -225,6 +225,23 @@ def test_a_method_that_needs_only_the_data_weighted_sum_keeps_only_that(name):
         assert not data_weighted, name
 
 
+def test_the_dp_running_mean_gives_the_list_means_bits():
+    """`privacy.WeightedMean` (the Flower server's mean under DP) against the list expression it
+    replaced: Σ_k p_k m_k in float64, cast back to the uploads' dtype."""
+    from pflalign.flower import privacy
+
+    torch.manual_seed(0)
+    messages = [{"params": {n: torch.randn(s) for n, s in SHAPES.items()}, "other": {"x": torch.randn(9)}}
+                for _ in range(3)]
+    weights = data_weights([3, 7, 5])
+    listed = {g: {n: sum(w * m[g][n].double() for m, w in zip(messages, weights)).to(t.dtype)
+                  for n, t in ts.items()} for g, ts in messages[0].items()}
+    running = privacy.WeightedMean(weights)
+    for i, message in enumerate(messages):
+        running.add(i, message)
+    assert_same_bits(running.result(), listed, "mean")
+
+
 # ---- (b) one client's update at a time ----------------------------------------------------------
 def tensors_alive(refs) -> int:
     return sum(ref() is not None for ref in refs)
