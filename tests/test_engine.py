@@ -90,15 +90,17 @@ def test_fedavg_weights_by_client_data_size(tmp_path, monkeypatch):
     cfg = tiny_config(method="fedavg", rounds=1)
     fed = Federation(cfg, progress=False)
     fed.clients[0].data.train = fed.clients[0].data.train[:4]  # 4 vs 12 examples
-    seen = {}
-    original = fed.method.aggregate
+    seen = {"messages": []}
+    original = fed.method.start_aggregation
 
-    def spy(global_params, messages, weights, server_state, ctx):
+    def spy(global_params, weights, server_state, ctx):  # the round's aggregation, its messages kept
         seen["weights"] = weights
-        seen["messages"] = messages
-        return original(global_params, messages, weights, server_state, ctx)
+        aggregation = original(global_params, weights, server_state, ctx)
+        add = aggregation.add
+        monkeypatch.setattr(aggregation, "add", lambda i, message: (seen["messages"].append(message), add(i, message)))
+        return aggregation
 
-    monkeypatch.setattr(fed.method, "aggregate", spy)
+    monkeypatch.setattr(fed.method, "start_aggregation", spy)
     rec = Recorder(tmp_path, resume=False, overwrite=False)
     rec.open(cfg)
     fed.train(rec, 0, cfg.rounds)

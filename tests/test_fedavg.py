@@ -93,7 +93,9 @@ def test_weighted_average_of_one_model_or_of_copies_is_that_model(models, data):
     assert all(torch.allclose(same[n], models[0][n], rtol=1e-12, atol=1e-9) for n in same)
 
 
-AVERAGING = sorted(name for name, cls in METHODS.items() if cls.aggregate is Method.aggregate)
+AVERAGING = sorted(name for name, cls in METHODS.items()  # FedAvg's server rule: the default sum, as it is
+                   if cls.aggregation_sums is Method.aggregation_sums
+                   and cls.finish_aggregation is Method.finish_aggregation)
 
 
 @PROPERTY

@@ -104,21 +104,24 @@ def sampled_federation(tmp_path, method: str):
 
 def test_engine_tells_the_server_all_n_and_weights_the_sampled_by_data(tmp_path, monkeypatch):
     cfg, fed = sampled_federation(tmp_path, "scaffold")
-    seen = []
-    original = fed.method.aggregate
+    seen, added = [], []
+    original = fed.method.start_aggregation
 
-    def spy(global_params, messages, weights, server_state, ctx):
-        seen.append((ctx.round, ctx.num_clients, list(ctx.client_ids), list(weights), len(messages)))
-        return original(global_params, messages, weights, server_state, ctx)
+    def spy(global_params, weights, server_state, ctx):  # the round's aggregation, its replies counted
+        seen.append((ctx.round, ctx.num_clients, list(ctx.client_ids), list(weights)))
+        aggregation = original(global_params, weights, server_state, ctx)
+        add = aggregation.add
+        monkeypatch.setattr(aggregation, "add", lambda i, message: (added.append(ctx.round), add(i, message)))
+        return aggregation
 
-    monkeypatch.setattr(fed.method, "aggregate", spy)
+    monkeypatch.setattr(fed.method, "start_aggregation", spy)
     rec = Recorder(tmp_path, resume=False, overwrite=False)
     rec.open(cfg)
     fed.train(rec, 0, cfg.rounds)
     rec.close()
     sizes = (4, 12, 8, 12)
-    for r, num_clients, ids, weights, count in seen:
-        assert ids == sample_clients(4, 0.5, cfg.seed, r) and len(ids) == 2 == count
+    for r, num_clients, ids, weights in seen:
+        assert ids == sample_clients(4, 0.5, cfg.seed, r) and len(ids) == 2 == added.count(r)
         assert num_clients == 4  # N: all clients, not the participants
         total = sum(sizes[k] for k in ids)
         assert weights == pytest.approx([sizes[k] / total for k in ids], rel=1e-15)

@@ -111,8 +111,13 @@ class Federation:
         bar = tqdm(total=len(chosen) * cfg.local_steps, desc=f"round {r + 1} local steps", leave=False,
                    disable=not self.progress, unit="step")
         received = self.method.broadcast(self.global_params, self.server_state)
+        # p_k is known before anyone trains: each message joins the running sums when its client
+        # finishes and is dropped, so the round never holds more than one (memory flat in |S|)
+        weights = data_weights([self.clients[k].n_train for k in chosen])
+        aggregation = self.method.start_aggregation(self.global_params, weights, self.server_state,
+                                                    RoundContext(r, len(self.clients), chosen))
         results = []
-        for k in chosen:
+        for i, k in enumerate(chosen):
             client = self.load_client(k)
             self._tokenize(client)
             bar.set_postfix(client=client.name)
@@ -130,15 +135,14 @@ class Federation:
             self.store.save(k, r + 1, client.state, client.personalized)
             self.store.records[k].steps_taken = client.steps_taken
             self.unload_client(client)
-            result.personalized = None  # in its file now; the round keeps only the message (aggregation)
+            result.personalized = None  # in its file now
+            aggregation.add(i, result.message)
+            result.message = {}  # in the sums now; the round keeps the metrics only
             rec.client_round(r, k, result)
             results.append(result)
             allocator.release_free_memory()  # the round's activations: not kept past the client
         bar.close()
-        weights = data_weights([self.clients[k].n_train for k in chosen])
-        self.global_params = self.method.aggregate(
-            self.global_params, [res.message for res in results], weights, self.server_state,
-            RoundContext(r, len(self.clients), chosen))
+        self.global_params = aggregation.finish()
         return RoundRecord(chosen, results, weights)
 
     # ---- checkpoint ---------------------------------------------------------

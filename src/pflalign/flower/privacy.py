@@ -190,13 +190,35 @@ def epsilon(noise_multiplier: float, rounds: int, delta: float) -> float | None:
     return float(accountant.get_epsilon(delta))
 
 
+class WeightedMean:
+    """The running Σ_k weights[k] · m_k over a round's uploads, group by group, in float64 (what
+    the SecAgg+ sum gives too), fed one upload at a time in client order; `result` casts it back
+    to the uploads' dtypes. Each term is rounded to float64, then added."""
+
+    def __init__(self, weights: list[float]):
+        self.weights = weights
+        self.total: Message | None = None
+        self.dtypes: dict[str, dict[str, torch.dtype]] = {}
+
+    def add(self, i: int, message: Message) -> None:
+        if self.total is None:
+            self.total = {g: {n: torch.zeros_like(t, dtype=torch.float64) for n, t in ts.items()}
+                          for g, ts in message.items()}
+            self.dtypes = {g: {n: t.dtype for n, t in ts.items()} for g, ts in message.items()}
+        for g, ts in self.total.items():
+            for n, t in ts.items():
+                t.add_(self.weights[i] * message[g][n].double())
+
+    def result(self) -> Message:
+        return {g: {n: t.to(self.dtypes[g][n]) for n, t in ts.items()} for g, ts in self.total.items()}
+
+
 def weighted_mean(messages: list[Message], weights: list[float]) -> Message:
-    """Σ_k weights[k] · messages[k], group by group, in float64 (what the SecAgg+ sum gives too)."""
-    out = {}
-    for group, tensors in messages[0].items():
-        out[group] = {n: sum(w * m[group][n].double() for m, w in zip(messages, weights)).to(t.dtype)
-                      for n, t in tensors.items()}
-    return out
+    """Σ_k weights[k] · messages[k] of a list (`WeightedMean` over it)."""
+    mean = WeightedMean(weights)
+    for i, message in enumerate(messages):
+        mean.add(i, message)
+    return mean.result()
 
 
 def add_noise(privacy: Privacy, mean: Message, weights: list[float]) -> float:

@@ -9,14 +9,15 @@ per client, how many rounds it has finished. Which SuperNode is which client
 * `configure_train`: the round's participants are `lifecycle.sample_clients`
   (the same seeded sample); each is sent w^r and ``method.broadcast(...)``.
 * `collect_train` (`aggregate_train` for Flower's interface): the replies in
-  client order, returned as a `TrainOutcome`; ``method.aggregate`` with
-  weights |D_k| / Σ_j |D_j| over the clients that replied and a
-  `RoundContext`. A client that did not reply (node gone, error, timeout) is
-  logged by name and left out, as long as at least ``min-clients`` replied
-  (0: all sampled clients); otherwise `RoundFailed`. A reply whose update
-  fails the checks of `validate` (names, shapes, dtypes, finite values, the
-  ``max-update-norm`` bound) is rejected, logged with its SuperNode id and
-  left out too; clients are not trusted.
+  client order, returned as a `TrainOutcome`; the method's aggregation
+  (``method.start_aggregation``) with weights |D_k| / Σ_j |D_j| over the
+  clients whose replies passed the checks and a `RoundContext`, fed one
+  decoded update at a time. A client that did not reply (node gone, error,
+  timeout) is logged by name and left out, as long as at least
+  ``min-clients`` replied (0: all sampled clients); otherwise `RoundFailed`.
+  A reply whose update fails the checks of `validate` (names, shapes, dtypes,
+  finite values, the ``max-update-norm`` bound) is rejected, logged with its
+  SuperNode id and left out too; clients are not trusted.
 * `configure_evaluate` / `collect_evaluate` (`aggregate_evaluate`): every
   connected client scores its personalized model, the global model (and the
   base model), returned as an `EvalOutcome`.
@@ -219,14 +220,14 @@ class MethodStrategy(Strategy):
         results, rejected = [], {}
         for k in sorted(got):
             try:
-                message, m = self._accept(got[k].content, k)
+                m = self._accept(got[k].content, k)
             except validate.InvalidUpdate as exc:  # untrusted input: left out, the round goes on
                 rejected[k] = str(exc)
                 log.warning("round %d: rejected the update of %s from SuperNode %d: %s", server_round,
                             self.name(k), got[k].metadata.src_node_id, exc)
                 continue
             results.append((k, ClientRound(
-                message=message, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr_mean"),
+                message={}, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr_mean"),
                 gsnr_ratio=m.get("gsnr_ratio"), update_norm=m["update_norm"], model_norm=m["model_norm"])))
             self.n_train[k] = m["n_train"]
         if len(results) < max(1, min(self.min_clients, sampled)):  # rejected ones do not count
@@ -235,17 +236,22 @@ class MethodStrategy(Strategy):
                               + "; rejected: "
                               + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(rejected.items())))
         ids = [k for k, _ in results]
-        weights = data_weights([self.n_train[k] for k in ids])
+        weights = data_weights([self.n_train[k] for k in ids])  # known once every reply is checked
+        ctx = RoundContext(r, self.num_clients, ids)
+
+        def fed(running):  # the accepted updates added in client order, one decoded at a time
+            for i, k in enumerate(ids):
+                running.add(i, self._decode(got[k].content))
+            return running
+
         extra = {}
         if self.privacy.dp:  # the method's rule on the noised mean (privacy.py says why there)
-            mean = priv.weighted_mean([res.message for _, res in results], weights)
+            mean = fed(priv.WeightedMean(weights)).result()
             extra["dp_noise_std"] = self.noise_std[r] = priv.add_noise(self.privacy, mean, weights)
-            self.global_params = self.method.aggregate(self.global_params, [mean], [1.0], self.server_state,
-                                                       RoundContext(r, self.num_clients, ids))
+            self.global_params = self.method.aggregate(self.global_params, [mean], [1.0], self.server_state, ctx)
         else:
-            self.global_params = self.method.aggregate(
-                self.global_params, [res.message for _, res in results], weights, self.server_state,
-                RoundContext(r, self.num_clients, ids))
+            self.global_params = fed(self.method.start_aggregation(self.global_params, weights, self.server_state,
+                                                                   ctx)).finish()
         for k in ids:
             self.rounds_done[k] = self.rounds_done.get(k, 0) + 1
         return TrainOutcome(RoundRecord(ids, [res for _, res in results], weights, extra), missing, rejected,
@@ -327,9 +333,10 @@ class MethodStrategy(Strategy):
         losses = [loss for res in outcome.record.results for loss in res.losses]
         return wire.to_record(self.global_params), MetricRecord({"mean_loss": sum(losses) / len(losses)})
 
-    def _accept(self, content: RecordDict, k: int | None = None) -> tuple[dict[str, Params], dict]:
-        """A training reply's update (cast to the adapter's dtype) and metrics, once they pass
-        `validate`; else `validate.InvalidUpdate` saying why."""
+    def _accept(self, content: RecordDict, k: int | None = None) -> dict:
+        """A training reply's metrics, once the reply passes `validate`; else
+        `validate.InvalidUpdate` saying why. Its decoded update is dropped (`_decode` decodes it
+        again when it is aggregated: the round never holds every decoded update at once)."""
         try:
             update = wire.unpack(content, wire.MESSAGE, dtype=None)
             metrics = dict(content.metric_records["metrics"])
@@ -342,7 +349,12 @@ class MethodStrategy(Strategy):
                                               self.max_update_ratio, self.cfg.lr * self.cfg.local_steps))
         if reason:
             raise validate.InvalidUpdate(reason)
-        return {g: {n: t.to(self.dtype) for n, t in ts.items()} for g, ts in update.items()}, metrics
+        return metrics
+
+    def _decode(self, content: RecordDict) -> dict[str, Params]:
+        """An accepted reply's update (`_accept`), cast to the adapter's dtype."""
+        return {g: {n: t.to(self.dtype) for n, t in ts.items()}
+                for g, ts in wire.unpack(content, wire.MESSAGE, dtype=None).items()}
 
     # ---- evaluation -----------------------------------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

@@ -6,7 +6,8 @@ state plus `step`):
 * its **client rule**: how a client starts a round (`client_start`), how it
   takes one local step (`local_step`), and what it sends back (`client_end`);
 * its **server rule**: how the server turns the clients' messages into the
-  next global adapter (`aggregate`);
+  next global adapter: the running sums over the messages it needs
+  (`aggregation_sums`) and what it makes of them (`finish_aggregation`);
 * its **state**: per client (`init_client_state`, kept across rounds on the
   client) and on the server (`init_server_state`).
 
@@ -14,6 +15,13 @@ All parameters are `Params`: LoRA tensors by name. State is a `State`: named
 `Params` groups (e.g. pFLAlign's ``{"delta", "v", "P"}``), so it checkpoints
 with `torch.save` and travels as Flower ArrayRecords unchanged. The engine
 knows nothing method-specific: it only calls these hooks.
+
+Aggregation streams: the weights p_k = |D_k| / Σ_j |D_j| of a round's
+participants are known before they train, so the server keeps running sums
+and adds each reply as it comes (`start_aggregation`, then `Aggregation.add`
+per reply, then `Aggregation.finish`), holding one adapter per sum and never
+the replies themselves: its memory does not grow with the participants.
+`aggregate` runs the same three steps over a list.
 """
 
 from __future__ import annotations
@@ -61,13 +69,78 @@ def data_weights(sizes: list[int]) -> list[float]:
     return [n / total for n in sizes]
 
 
+def add_weighted(total: Params, item: Params, weight: float) -> None:
+    """total += weight · item, tensor by tensor, in place. Every weighted sum of messages adds
+    through here, from zeros and in client order, so a running sum has `weighted_average`'s
+    bits (``add_`` with ``alpha`` rounds once: it is not ``total + weight * item``)."""
+    for n, t in item.items():
+        total[n].add_(t, alpha=weight)
+
+
 def weighted_average(items: list[Params], weights: list[float]) -> Params:
     """Σ_k weights[k] · items[k], per tensor (weights are expected to sum to 1)."""
     out = zeros_like(items[0])
     for item, w in zip(items, weights):
-        for n, t in item.items():
-            out[n].add_(t, alpha=w)
+        add_weighted(out, item, w)
     return out
+
+
+class WeightedSum:
+    """The running Σ_k weights[k] · m_k[group] over a round's messages m_k, fed one at a time
+    in order (`Aggregation` checks it): `weighted_average`'s additions, so its bits."""
+
+    def __init__(self, weights: list[float], group: str = "params"):
+        self.weights, self.group = weights, group
+        self.total: Params | None = None  # zeros shaped like the first message's group
+
+    def add(self, i: int, message: Message) -> None:
+        item = message[self.group]
+        if self.total is None:
+            self.total = zeros_like(item)
+        add_weighted(self.total, item, self.weights[i])
+
+    def result(self) -> Params:
+        return self.total
+
+
+def equal_weights(count: int) -> list[float]:
+    """1/|S| for each of |S| participants (the unweighted mean of SCAFFOLD's Δc, FedDyn's models)."""
+    return [1.0 / count] * count
+
+
+class Aggregation:
+    """One round's server rule fed one reply at a time: `add(i, message)` for the i-th
+    participant (in client order, i = 0, 1, ...), then `finish()` → w^{r+1}. It holds the
+    method's running sums (`Method.aggregation_sums`), one adapter each, and no message; the
+    server state changes only in `finish` (a round that stops midway leaves it as it was)."""
+
+    def __init__(self, method: Method, global_params: Params, weights: list[float], server_state: State,
+                 ctx: RoundContext):
+        self.method, self.global_params, self.weights = method, global_params, weights
+        self.server_state, self.ctx = server_state, ctx
+        self.sums = method.aggregation_sums(global_params, weights, server_state, ctx)
+        self.added = 0
+        self.finished = False
+
+    def add(self, i: int, message: Message) -> None:
+        # in order, each once: the order of the additions decides the sums' last bits
+        if i != self.added:
+            raise ValueError(f"aggregation: reply {i} added, expected reply {self.added} "
+                             f"(replies are added once each, in client order)")
+        if i >= len(self.weights):
+            raise ValueError(f"aggregation: reply {i} added, but the round has {len(self.weights)} participants")
+        for running in self.sums.values():
+            running.add(i, message)
+        self.added += 1
+
+    def finish(self) -> Params:
+        """w^{r+1}; updates the server state in place."""
+        if self.added != len(self.weights) or self.finished:
+            raise ValueError(f"aggregation: finished with {self.added} of {len(self.weights)} replies added"
+                             + (", a second time" if self.finished else ""))
+        self.finished = True  # the server state is updated once
+        sums = {name: running.result() for name, running in self.sums.items()}
+        return self.method.finish_aggregation(self.global_params, sums, self.weights, self.server_state, self.ctx)
 
 
 class Method:
@@ -148,16 +221,38 @@ class Method:
         """What the server sends every participant besides w^r (e.g. SCAFFOLD's c); default nothing."""
         return {}
 
+    def aggregation_sums(self, global_params: Params, weights: list[float], server_state: State,
+                         ctx: RoundContext) -> dict:
+        """The running sums over the round's messages that `finish_aggregation` needs, by name:
+        objects with ``add(i, message)`` and ``result()`` (`WeightedSum`). `weights` are
+        |D_k| / Σ|D_j| over the participants. Default: w̄ = Σ_k p_k m_k["params"]."""
+        return {"params": WeightedSum(weights)}
+
+    def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
+                           server_state: State, ctx: RoundContext) -> Params:
+        """The next global adapter w^{r+1} from the finished sums; updates `server_state` in place."""
+        return sums["params"]
+
+    def start_aggregation(self, global_params: Params, weights: list[float], server_state: State,
+                          ctx: RoundContext) -> Aggregation:
+        """Round ctx.round's aggregation, to be fed each participant's message as it arrives."""
+        return Aggregation(self, global_params, weights, server_state, ctx)
+
     def aggregate(
         self, global_params: Params, messages: list[Message], weights: list[float],
         server_state: State, ctx: RoundContext,
     ) -> Params:
-        """The next global adapter w^{r+1}; `weights` are |D_k| / Σ|D_j| over participants."""
-        return weighted_average([m["params"] for m in messages], weights)
+        """The next global adapter w^{r+1} from a list of messages (`start_aggregation` over it);
+        `weights` are |D_k| / Σ|D_j| over participants."""
+        aggregation = self.start_aggregation(global_params, weights, server_state, ctx)
+        for i, message in enumerate(messages):
+            aggregation.add(i, message)
+        return aggregation.finish()
 
     def needs_each_upload(self) -> str | None:
         """Why `aggregate` needs more than the weighted sum Σ_k weights[k]·messages[k] of the
-        uploads (None: that sum is all it needs).
+        uploads (None: that sum is all it needs: its `aggregation_sums` are data-weighted
+        `WeightedSum`s, one per message group at most).
 
         When it needs only that sum, ``aggregate(w, [Σ_k p_k m_k], [1.0], ...)`` equals
         ``aggregate(w, messages, weights, ...)``, so the Flower server can run the method on

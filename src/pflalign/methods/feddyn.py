@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import GradFn, Message, Method, Params, RoundContext, State, StepContext, clone, weighted_average, zeros_like
+from .base import (GradFn, Message, Method, Params, RoundContext, State, StepContext, WeightedSum, clone,
+                   equal_weights, zeros_like)
 
 
 @dataclass
@@ -66,10 +67,13 @@ class FedDyn(Method):
     def init_server_state(self, global_params: Params) -> State:
         return {"h": zeros_like(global_params)}
 
-    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
-                  server_state: State, ctx: RoundContext) -> Params:
-        alpha, participants = self.args.alpha, len(messages)
-        mean_params = weighted_average([m["params"] for m in messages], [1.0 / participants] * participants)
+    def aggregation_sums(self, global_params: Params, weights: list[float], server_state: State,
+                         ctx: RoundContext) -> dict:
+        return {"mean": WeightedSum(equal_weights(len(weights)))}  # (1/|S|) Σ_{k∈S} w_{k,T}
+
+    def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
+                           server_state: State, ctx: RoundContext) -> Params:
+        alpha, participants, mean_params = self.args.alpha, len(weights), sums["mean"]
         new = {}
         for n, h in server_state["h"].items():
             # Σ_{k∈S} (w_k − w^r) = |S| (mean_S w_k − w^r)

@@ -95,6 +95,23 @@ class FedGloSSArgs:
             raise ValueError(f"warmup_rounds must be >= 0, got {self.warmup_rounds}")
 
 
+class UpdateSum:
+    """The running Σ_k weights[k] Δ_k, Δ_k = m_k["params"] − w̃^t, fed one message at a time in
+    client order. Each term is multiplied, then added (not ``add_(alpha=)``, which rounds once):
+    the order of operations this rule has always had, so its bits."""
+
+    def __init__(self, start: Params, weights: list[float]):
+        self.start, self.weights = start, weights
+        self.total = zeros_like(start)
+
+    def add(self, i: int, message: Message) -> None:
+        for n, x in message["params"].items():
+            self.total[n].add_(self.weights[i] * (x - self.start[n]))
+
+    def result(self) -> Params:
+        return self.total
+
+
 def joint_norm(tensors: Params) -> float:
     """‖x‖ over all tensors together (accumulated in at least float32)."""
     norms = [torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors.values()]
@@ -155,18 +172,24 @@ class FedGloSS(Method):
     def broadcast(self, global_params: Params, server_state: State) -> Message:
         return {"perturbation": server_state["perturbation"]}
 
-    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
-                  server_state: State, ctx: RoundContext) -> Params:
+    def aggregation_sums(self, global_params: Params, weights: list[float], server_state: State,
+                         ctx: RoundContext) -> dict:
+        start = {n: w + server_state["perturbation"][n] for n, w in global_params.items()}  # w̃^t
+        sums = {"weighted": UpdateSum(start, weights)}  # Σ_k p_k Δ_k
+        if self.args.admm:
+            sums["unweighted"] = UpdateSum(start, [1.0] * len(weights))  # Σ_{k∈S} Δ_k
+        return sums
+
+    def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
+                           server_state: State, ctx: RoundContext) -> Params:
         beta, sigma, perturbation = self.args.beta, server_state["sigma"], server_state["perturbation"]
-        participants = len(messages)
+        participants = len(weights)
         pseudo_grad, new = {}, {}
         for n, w in global_params.items():
-            start = w + perturbation[n]  # w̃^t, where the clients started
-            deltas = [m["params"][n] - start for m in messages]
-            pseudo_grad[n] = -sum(p * d for p, d in zip(weights, deltas))
+            pseudo_grad[n] = -sums["weighted"][n]
             new[n] = w - self.args.server_lr * pseudo_grad[n]
             if self.args.admm:
-                sigma[n].sub_(sum(deltas) / (beta * ctx.num_clients * participants))
+                sigma[n].sub_(sums["unweighted"][n] / (beta * ctx.num_clients * participants))
                 new[n] = new[n] - beta * sigma[n]
         # the next round's ascent: along the pseudo-gradient just computed
         rho, norm = self.radius(self.args.rho, ctx.round + 1), joint_norm(pseudo_grad)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Message, Method, Params, RoundContext, State, weighted_average, zeros_like
+from .base import Method, Params, RoundContext, State, zeros_like
 
 
 @dataclass
@@ -72,9 +72,9 @@ class FedOpt(Method):
         """The second-moment update, in place on v, given Δ²."""
         raise NotImplementedError
 
-    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
-                  server_state: State, ctx: RoundContext) -> Params:
-        average = weighted_average([m["params"] for m in messages], weights)
+    def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
+                           server_state: State, ctx: RoundContext) -> Params:
+        average = sums["params"]  # Σ_k p_k w_k (the default sum)
         beta1, lr, tau = self.args.beta1, self.args.server_lr, self.args.tau
         new = {}
         for n, w in global_params.items():

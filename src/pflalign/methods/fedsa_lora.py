@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..params import is_lora_b
-from .base import Message, Method, Params, RoundContext, State, clone, weighted_average
+from .base import Message, Method, Params, RoundContext, State, WeightedSum, clone
 
 GLOBAL_B_RULES = ("mean", "init")
 PERSONALIZED_RULES = ("after_aggregation", "before_aggregation")
@@ -91,11 +91,18 @@ class FedSALoRA(Method):
             return personalized
         return {n: state["B"][n] if is_lora_b(n) else w for n, w in global_params.items()}
 
-    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
-                  server_state: State, ctx: RoundContext) -> Params:
-        new = weighted_average([m["shared"] for m in messages], weights)
+    def aggregation_sums(self, global_params: Params, weights: list[float], server_state: State,
+                         ctx: RoundContext) -> dict:
+        sums = {"shared": WeightedSum(weights, "shared")}  # A^{r+1} = Σ_k p_k A_k
         if self.args.global_b == "mean":
-            new.update(weighted_average([m["eval_B"] for m in messages], weights))
+            sums["eval_B"] = WeightedSum(weights, "eval_B")  # B̄ = Σ_k p_k B_k, for evaluation only
+        return sums
+
+    def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
+                           server_state: State, ctx: RoundContext) -> Params:
+        new = dict(sums["shared"])
+        if self.args.global_b == "mean":
+            new.update(sums["eval_B"])
         else:
             new.update({n: w.clone() for n, w in global_params.items() if is_lora_b(n)})  # B^0, never changed
         return {n: new[n] for n in global_params}  # the engine's order of names

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..params import is_lora_a, lora_b_name
-from .base import Message, Params, RoundContext, State
+from .base import Params, RoundContext, State
 from .ffa_lora import FFALoRA
 
 
@@ -78,9 +78,9 @@ class FedSVD(FFALoRA):
     label = "FedSVD"
     Args = FedSVDArgs
 
-    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
-                  server_state: State, ctx: RoundContext) -> Params:
-        new = super().aggregate(global_params, messages, weights, server_state, ctx)  # B averaged, A kept
+    def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
+                           server_state: State, ctx: RoundContext) -> Params:
+        new = super().finish_aggregation(global_params, sums, weights, server_state, ctx)  # B averaged, A kept
         if (ctx.round + 1) % self.args.refactor_every == 0:
             for a_name in [n for n in new if is_lora_a(n)]:
                 b_name = lora_b_name(a_name)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..params import is_lora_a
-from .base import GradFn, Message, Method, Params, RoundContext, State, StepContext, weighted_average
+from .base import GradFn, Message, Method, Params, RoundContext, State, StepContext
 
 
 class FFALoRA(Method):
@@ -51,8 +51,8 @@ class FFALoRA(Method):
     def client_end(self, global_params: Params, params: Params, state: State) -> Message:
         return {"params": {n: w.detach().clone() for n, w in params.items() if not is_lora_a(n)}}
 
-    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
-                  server_state: State, ctx: RoundContext) -> Params:
-        averaged = weighted_average([m["params"] for m in messages], weights)
+    def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
+                           server_state: State, ctx: RoundContext) -> Params:
+        averaged = sums["params"]  # Σ_k p_k B_k (the default sum: the uploads hold no A)
         # A is copied, not averaged: Σ_k p_k A could differ from A in the last bit.
         return {n: w.clone() if is_lora_a(n) else averaged[n] for n, w in global_params.items()}

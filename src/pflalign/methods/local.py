@@ -26,8 +26,12 @@ class Local(Method):
         state["model"] = clone(params)
         return {}  # nothing leaves the client
 
-    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
-                  server_state: State, ctx: RoundContext) -> Params:
+    def aggregation_sums(self, global_params: Params, weights: list[float], server_state: State,
+                         ctx: RoundContext) -> dict:
+        return {}  # nothing was sent
+
+    def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
+                           server_state: State, ctx: RoundContext) -> Params:
         return clone(global_params)
 
     def needs_each_upload(self) -> str | None:

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import GradFn, Message, Method, Params, RoundContext, State, StepContext, clone, weighted_average, zeros_like
+from .base import (GradFn, Message, Method, Params, RoundContext, State, StepContext, WeightedSum, clone,
+                   equal_weights, zeros_like)
 
 
 class Scaffold(Method):
@@ -70,13 +71,17 @@ class Scaffold(Method):
     def broadcast(self, global_params: Params, server_state: State) -> Message:
         return {"c": clone(server_state["c"])}
 
-    def aggregate(self, global_params: Params, messages: list[Message], weights: list[float],
-                  server_state: State, ctx: RoundContext) -> Params:
-        participants = len(messages)
-        mean_delta_c = weighted_average([m["delta_c"] for m in messages], [1.0 / participants] * participants)
+    def aggregation_sums(self, global_params: Params, weights: list[float], server_state: State,
+                         ctx: RoundContext) -> dict:
+        # w_k by data size; Δc_k unweighted, as in the paper
+        return {"params": WeightedSum(weights), "delta_c": WeightedSum(equal_weights(len(weights)), "delta_c")}
+
+    def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
+                           server_state: State, ctx: RoundContext) -> Params:
+        participants = len(weights)
         for n, c in server_state["c"].items():
-            c.add_(mean_delta_c[n], alpha=participants / ctx.num_clients)
-        return weighted_average([m["params"] for m in messages], weights)
+            c.add_(sums["delta_c"][n], alpha=participants / ctx.num_clients)
+        return sums["params"]
 
     def needs_each_upload(self) -> str | None:
         return ("its server rule needs two sums with different weights (w_k by data size, delta_c equally) "
