@@ -107,15 +107,42 @@ def test_damaged_entry_is_rebuilt_not_used(shared_data, cache, tok, damage):
     assert data_cache._read(entry, data_cache.cache_key(cfg, tok, 1, cfg.data.dir)) is not None
 
 
-def test_synthetic_cached_files_federation_not(cache, tok, tmp_path):
+def test_synthetic_cached(cache, tok):
     cfg = build_config("demo", {"data": {"max_train": 8, "max_test": 2}})
     assert data_cache.client_data(cfg, tok, 3) == fresh(cfg, tok, 3)
     assert len(list(cache.iterdir())) == 1
+
+
+def test_a_partition_of_your_files_is_cached_keyed_by_its_settings(cache, tok, tmp_path, monkeypatch):
+    """data.name=files with a partition (what a Flower client of such a run loads): a hit equals a
+    fresh load of that client alone; every partition setting is in the key, the file's content too."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}", "task": "t" + str(i % 2)}) + "\n"
-                            for i in range(20)))
-    files = build_config(None, {"data": {"name": "files", "dir": str(rows), "partition_by": "task"}})
-    assert data_cache.cache_key(files, tok, 0, str(rows)) is None  # data/federate.py's federations load as before
+                            for i in range(40)))
+    data = {"name": "files", "dir": str(rows), "partition_by": "task", "partition": "dirichlet", "num_clients": 3,
+            "alpha": 1.0, "min_partition_size": 4}
+    cfg = build_config(None, {"data": data, "batch_size": 2})
+    calls = count_loads(monkeypatch)
+    first = data_cache.client_data(cfg, tok, 1)
+    assert data_cache.client_data(cfg, tok, 1) == first == fresh(cfg, tok, 1)
+    assert calls["load"] == [[1]]  # the second call was a hit
+    variants = [{"seed": 7}, {"alpha": 5.0}, {"num_clients": 4}, {"min_partition_size": 3}, {"test_set": "global"},
+                {"partition": "iid", "alpha": None, "min_partition_size": None}]
+    keys = {json.dumps(data_cache.cache_key(cfg, tok, 1, str(rows)), sort_keys=True)}
+    for change in variants:
+        variant = build_config(None, {"data": {**data, **change}, "batch_size": 2})
+        keys.add(json.dumps(data_cache.cache_key(variant, tok, 1, str(rows)), sort_keys=True))
+    assert len(keys) == 1 + len(variants)
+    rows.write_text(rows.read_text().replace('"q0"', '"q0 changed"'))
+    assert data_cache.client_data(cfg, tok, 1) == fresh(cfg, tok, 1)
+    assert len(calls["load"]) == 2  # the file changed: a miss
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(rows.read_text())
+    in_folder = build_config(None, {"data": {**data, "dir": str(folder)}, "batch_size": 2})
+    assert [p for p, _ in data_cache.cache_key(in_folder, tok, 1, str(folder))["files"]] == ["train.jsonl"]
+    assert data_cache.cache_key(build_config(None, {"data": {**data, "dir": "user/hub-id"}}), tok, 1,
+                                "user/hub-id") is None  # a hub id: not cached
 
 
 def test_unwritable_cache_still_gives_the_data(shared_data, tok, tmp_path, monkeypatch):

@@ -300,13 +300,49 @@ def test_cli_bad_own_data_exit_2_nothing_written(capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_flower_app_refuses_what_it_cannot_load_yet():
-    """Flower's ClientApp loads one category per node; partitions and files run in process for now."""
+def test_flower_app_names_the_clients_of_every_federation():
+    """Flower's partition-id k is the k-th client: the ServerApp names them from the config, or,
+    for a natural partition of your own files without data.clients, from the data on its host."""
     pytest.importorskip("flwr")
     from pflalign.flower import wire
+    from pflalign.partition import client_shares, names_from_config
 
-    assert wire.client_names(build_config(None, parse_set(["data.name=dolly"]))) == DOLLY_PAPER_CATEGORIES
-    for items in (["data.name=files", "data.dir=x.csv", "data.partition_by=topic"],
-                  ["data.name=dolly", "data.partition=iid", "data.num_clients=8"]):
-        with pytest.raises(UserError, match="the Flower app runs one client per category"):
-            wire.client_names(build_config(None, parse_set(items)))
+    def cfg(*items):
+        return build_config(None, parse_set(list(items)))
+
+    assert wire.client_names(cfg("data.name=dolly")) == DOLLY_PAPER_CATEGORIES
+    assert wire.client_names(cfg("data.name=dolly", "data.partition=iid", "data.num_clients=3")) == \
+        ["client_000", "client_001", "client_002"]
+    assert wire.client_names(cfg("data.name=flan", "data.test_set=global")) == FLAN_PAPER_CATEGORIES
+    qa = ["data.name=files", f"data.dir={EXAMPLE}", "data.columns.instruction=question",
+          "data.columns.response=answer", "data.partition_by=topic"]
+    assert wire.client_names(cfg(*qa, "data.clients=reading,arithmetic")) == ["reading", "arithmetic"]
+    assert names_from_config(cfg(*qa)) is None  # the topics are in the file
+    assert wire.client_names(cfg(*qa)) == [s.name for s in client_shares(cfg(*qa))] and \
+        sorted(wire.client_names(cfg(*qa))) == ["arithmetic", "geography", "reading"]
+    with pytest.raises(UserError, match=r"reading data.dir on its host, and could not: .*x.csv.*data.clients=a,b"):
+        wire.client_names(cfg("data.name=files", "data.dir=x.csv", "data.partition_by=topic"))
+
+
+def test_data_seed_draws_the_partition_and_defaults_to_split_seed(tmp_path):
+    """data.seed unset: the partition of every earlier run (seeded by data.split_seed); set, it
+    alone draws the partition (split_seed still draws each client's test hold-out)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in _rows(40)))
+    base = ["data.name=files", f"data.dir={rows}", "data.columns.instruction=q", "data.columns.response=ans",
+            "data.partition=iid", "data.num_clients=4"]
+
+    def shares(*items):
+        from pflalign.partition import client_shares
+
+        return client_shares(build_config(None, parse_set(base + list(items))))
+
+    def rows_of(federation):  # each client's examples, train and test together
+        return [sorted(e.prompt for e in s.train + s.test) for s in federation]
+
+    assert shares() == shares("data.seed=42") == shares("data.split_seed=42", "data.seed=42")
+    assert rows_of(shares("data.seed=7")) != rows_of(shares())
+    assert rows_of(shares("data.seed=7", "data.split_seed=1")) == rows_of(shares("data.seed=7"))
+    assert rows_of(shares("data.split_seed=1")) != rows_of(shares())  # unset: split_seed draws it, as before
+    with pytest.raises(UserError, match="data.partition=natural draws nothing"):
+        build_config(None, parse_set(["data.name=dolly", "data.seed=3"]))

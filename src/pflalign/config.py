@@ -48,6 +48,7 @@ class DataConfig:
     dir: str | None = None  # dolly: .jsonl file, folder or hub id; flan: FedDPA folder; files: file, folder or hub id
     clients: list[str] | None = None  # categories, one client each; None: the paper's 4
     split_seed: int = 42  # Dolly's train/test split; fixed across run seeds
+    seed: int | None = None  # the partitioners' draws (shuffle, Dirichlet, shards); None: split_seed, as before
     max_train: int | None = None  # keep the first N training examples per client
     max_test: int | None = None  # evaluate on the first N test examples per client
     validation: int | None = None  # hold out N training examples per client and evaluate on them (tuning)
@@ -312,6 +313,10 @@ def check_values(cfg: RunConfig) -> None:
          f"lora.target_modules must name at least one module (or all-linear), got {cfg.lora.target_modules!r}"),
         (0 <= cfg.seed < SEED_LIMIT, f"seed must be in [0, 2**32), got {cfg.seed}"),
         (0 <= cfg.data.split_seed < SEED_LIMIT, f"data.split_seed must be in [0, 2**32), got {cfg.data.split_seed}"),
+        (cfg.data.seed is None or 0 <= cfg.data.seed < SEED_LIMIT, f"data.seed must be in [0, 2**32), got {cfg.data.seed}"),
+        (cfg.data.seed is None or cfg.data.partition != "natural",
+         "data.seed seeds a partition's draws (iid, dirichlet, shard, linear, ...); data.partition=natural draws "
+         "nothing: leave data.seed unset"),
         (cfg.data.clients is None or len(cfg.data.clients) > 0, "data.clients must list at least one client"),
     ]
     for ok, message in checks:

@@ -6,20 +6,24 @@ file) and tokenized its training examples again (Dolly's largest client:
 about 0.4 s; the chat template runs per example). The result is kept in
 ``$PFLALIGN_CACHE/tokenized/<key>.json`` (``~/.cache/pflalign``): the client's
 name, its train and test examples and their token ids. ``pflalign run`` uses
-it too.
+it too for today's federations (one client per category); a partitioned one
+it loads whole, once per run.
 
 The key covers everything the entry depends on: the SHA-256 of every data
 file the loader reads (FLAN's ``local_training_*.json`` and ``test.jsonl``,
-the Dolly ``.jsonl``; the synthetic federation has none), the ``data.*``
-settings but the path (the files' content stands for it), which client,
-``max_seq_len``, the tokenizer (its serialized vocabulary, merges and
+the Dolly ``.jsonl``, your own file or every data file in your folder; the
+synthetic federation has none), the ``data.*`` settings but the path (the
+files' content stands for it; the partition's settings among them:
+``partition``, ``num_clients``, ``alpha``, ``seed``, ``test_set`` ...), which
+client, ``max_seq_len``, the tokenizer (its serialized vocabulary, merges and
 normalisation, its chat template, special tokens and class), the
-transformers and tokenizers versions and this package's source (the loaders,
-the prompt format). It is stored in the entry and compared on every read;
-entries are written atomically (checkpoint.write_json), so a half-written
-one never has the final name and a damaged or foreign one is rebuilt.
-Federations this does not cover (``data.name=files``, partitions, a Dolly hub
-id) are read and tokenized as before.
+transformers and tokenizers versions, this package's source (the loaders,
+the partitioners, the prompt format) and, for a partition, the flwr-datasets
+and NumPy versions (their draws). It is stored in the entry and compared on
+every read; entries are written atomically (checkpoint.write_json), so a
+half-written one never has the final name and a damaged or foreign one is
+rebuilt. Sources this does not cover (a hub id, a missing file) are read and
+tokenized as before.
 """
 
 from __future__ import annotations
@@ -77,15 +81,21 @@ def tokenizer_digest(tokenizer) -> str | None:
 
 def data_files(cfg: RunConfig, data_dir: str | None) -> list[Path] | None:
     """The files the loader reads for this federation, in order; None where this cache does not
-    apply (a partitioned federation, data.name=files, a hub id, a missing file: those load as before)."""
-    if uses_partitioner(cfg):
-        return None
+    apply (a hub id, a missing file: those load as before). For your own files in a folder: every
+    data file under it (Hugging Face's rules pick among them; a change to any of them is a miss)."""
     name = cfg.data.name
     if name == "synthetic":
         return [] if not data_dir else None
     if not data_dir:
         return None
-    source = Path(data_dir)
+    source = Path(data_dir).expanduser()
+    if name == "files":
+        from .data.files import BUILDERS
+
+        if source.is_dir():
+            files = sorted(p for p in source.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS)
+            return files or None
+        return [source] if source.is_file() else None
     if name == "flan":
         from .data.flan import TEST_FILENAME, _TRAINING_FILE
 
@@ -108,9 +118,19 @@ def cache_key(cfg: RunConfig, tokenizer, k: int, data_dir: str | None) -> dict |
     tok = tokenizer_digest(tokenizer)
     if files is None or tok is None:
         return None
+    # every data.* setting but the path: with the partition's (partition, num_clients, alpha, seed, ...)
     data = {key: value for key, value in dataclasses.asdict(cfg.data).items() if key != "dir"}
-    return {"format": FORMAT, "files": [[p.name, file_sha256(p)] for p in files], "data": data, "client": k,
-            "max_seq_len": cfg.max_seq_len, "tokenizer": tok, "source": package_source_digest()}
+    folder = Path(data_dir).expanduser() if data_dir else None
+    named = [str(p.relative_to(folder)) if folder and folder.is_dir() else p.name for p in files]
+    key = {"format": FORMAT, "files": [[name, file_sha256(p)] for name, p in zip(named, files)],
+           "data": data, "client": k, "max_seq_len": cfg.max_seq_len, "tokenizer": tok,
+           "source": package_source_digest()}
+    if uses_partitioner(cfg):  # the draws are flwr-datasets' and numpy's (data/partition.py)
+        import flwr_datasets
+        import numpy
+
+        key["partitioner"] = {"flwr_datasets": flwr_datasets.__version__, "numpy": numpy.__version__}
+    return key
 
 
 def file_sha256(path: Path) -> str:

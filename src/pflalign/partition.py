@@ -2,11 +2,14 @@
 
 A client has a name (results, metrics and logs call it by that name) and the
 examples it holds; the data layer (`pflalign.data`) only returns examples by
-task (category). Today there is one partitioner, ``category``: client k holds
+task (category). Today's federations are ``category``: client k holds
 the k-th category of ``data.clients`` (the paper's 4 categories by default),
-its name is that category's. Another split (e.g. a Dirichlet mix of
-categories) is one more function in `PARTITIONERS` that returns
-`ClientShare`s; the engines, the report and the figures only see names.
+its name is that category's. Your own files and every other split (IID,
+Dirichlet, shards, ...) go through `pflalign.data.federate` (`partitioned`);
+the engines, the report and the figures only see names. Every client's share is
+a pure function of the config and the data, so a Flower ClientApp computes
+client k's share alone on its own host (``which=[k]``) and gets what client k
+gets in process.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from .config import RunConfig
 from .data import Example
 from .data.load import DEFAULT_CATEGORIES, load_federation, load_federation_described
+from .data.partition import partition_name
 from .errors import UserError
 
 
@@ -29,8 +33,27 @@ class ClientShare:
     test: list[Example]
 
 
-def client_names(cfg: RunConfig) -> list[str]:
-    """The name of every client, in client order (Flower's partition-id k is the k-th)."""
+def names_from_config(cfg: RunConfig) -> list[str] | None:
+    """The name of every client, in client order (Flower's partition-id k is the k-th), where
+    the config alone says them: one client per category (`by_category`), ``client_000`` ... for
+    the ``data.num_clients`` clients of every partition but natural, the labels of
+    ``data.clients`` (Dolly's and FLAN's default: the paper's categories) for a natural one.
+    None for a natural partition of your own files without ``data.clients``: its clients are
+    the values of the ``partition_by`` column, known once the data is read (`client_names`)."""
+    if uses_partitioner(cfg):
+        if cfg.data.partition != "natural":
+            return [partition_name(k) for k in range(cfg.data.num_clients)]
+        clients = cfg.data.clients if cfg.data.clients is not None else DEFAULT_CATEGORIES.get(cfg.data.name)
+        return None if clients is None else list(clients)
+    return client_names(cfg)
+
+
+def client_names(cfg: RunConfig, data_dir: str | None = None) -> list[str]:
+    """The name of every client, in client order (Flower's partition-id k is the k-th): from
+    the config (`names_from_config`), else read off the data in `data_dir` (None: ``data.dir``)."""
+    if uses_partitioner(cfg):
+        names = names_from_config(cfg)
+        return names if names is not None else [s.name for s in client_shares(cfg, data_dir)]
     if cfg.data.clients is not None:
         return list(cfg.data.clients)
     if cfg.data.name not in DEFAULT_CATEGORIES:
@@ -93,7 +116,12 @@ def client_shares_described(cfg: RunConfig, data_dir: str | None = None,
     data_dir = cfg.data.dir if data_dir is None else data_dir
     if uses_partitioner(cfg):
         shares, info = partitioned(cfg, data_dir)
-        shares = shares if which is None else [shares[k] for k in which]
+        if which is not None:
+            absent = [k for k in which if not 0 <= k < len(shares)]
+            if absent:
+                raise UserError(f"there is no client {absent[0]}: the partition makes {len(shares)} clients (0 to "
+                                f"{len(shares) - 1})")
+            shares = [shares[k] for k in which]
     else:
         shares, info = PARTITIONERS["category"](cfg, data_dir, which), None
     if cfg.data.validation is not None:

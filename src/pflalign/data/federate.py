@@ -59,7 +59,8 @@ class FederationOptions:
 
     @classmethod
     def from_config(cls, data: Any) -> FederationOptions:
-        """From a `DataConfig` (or anything with its attributes); `split_seed` seeds the partition."""
+        """From a `DataConfig` (or anything with its attributes); `data.seed` seeds the partition,
+        `split_seed` when it is unset (as before `data.seed` existed)."""
         columns = data.columns
         if isinstance(columns, dict):
             columns = Columns(**columns)
@@ -67,7 +68,7 @@ class FederationOptions:
             columns = Columns(columns.instruction, columns.response, columns.context)
         return cls(
             partition=PartitionSpec(data.partition, data.num_clients, data.alpha, data.min_partition_size,
-                                    data.shards_per_client, data.split_seed),
+                                    data.shards_per_client, partition_seed(data)),
             partition_by=data.partition_by, test_set=data.test_set, test_fraction=data.test_fraction,
             columns=columns, drop_empty=data.drop_empty,
         )
@@ -76,6 +77,13 @@ class FederationOptions:
         """True when these options ask for nothing but today's one client per category."""
         return self == FederationOptions(PartitionSpec(seed=self.partition.seed), self.partition_by) and \
             self.partition_by in (None, "category")
+
+
+def partition_seed(data: Any) -> int:
+    """The partitioner's seed: ``data.seed``, else ``data.split_seed`` (the seed before ``data.seed``
+    existed, so every earlier run's partition stays as it was)."""
+    seed = getattr(data, "seed", None)
+    return data.split_seed if seed is None else seed
 
 
 def check_options(name: str, options: FederationOptions) -> None:

@@ -78,6 +78,11 @@ class Result:
     unassigned: list[int] = field(default_factory=list)
 
 
+def partition_name(pid: int) -> str:
+    """The name of client `pid` of every partition but ``natural``: client_000, client_001, ..."""
+    return f"client_{pid:03d}"
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -204,7 +209,7 @@ def _flower(labels: list[str] | None, spec: PartitionSpec, n_rows: int, label_na
     try:
         with _quiet():
             for pid in range(n):
-                partitions.append(Partition(f"client_{pid:03d}", list(partitioner.load_partition(pid)["row"])))
+                partitions.append(Partition(partition_name(pid), list(partitioner.load_partition(pid)["row"])))
     except (ValueError, AssertionError) as error:
         raise UserError(_flower_message(spec, label_name, n_rows, error)) from error
     assigned = {r for p in partitions for r in p.rows}

@@ -1,10 +1,14 @@
 """The Flower ClientApp: one federated client, on its own SuperNode.
 
 Which client a node is comes from its node config: ``partition-id`` k (the
-k-th client of the run's partition step, `pflalign.partition`: today the
-k-th category of ``data.clients``) and ``num-partitions`` (must equal the
-number of clients). Optional node-config keys: ``data-dir`` (the dataset on
-this host; replaces ``data.dir``) and ``state-dir`` (see below).
+k-th client of the run's partition step, `pflalign.partition`: the k-th
+category of ``data.clients``, or client k of ``data.partition``'s split)
+and ``num-partitions`` (must equal the number of clients). Optional
+node-config keys: ``data-dir`` (the dataset on this host; replaces
+``data.dir``) and ``state-dir`` (see below). Client k computes its own share
+from the run's configuration and its host's data, with the same code as
+``pflalign run`` (`pflalign.data_cache.client_data`, `pflalign.partition`):
+the same examples in the same order as client k in process.
 
 Three message types, all answered from this one module:
 
@@ -63,6 +67,7 @@ from ..config import RunConfig, make_method
 from ..errors import UserError
 from ..model import FederatedLM, build_model, cache_dir
 from ..data_cache import client_data
+from ..partition import names_from_config
 from . import privacy, wire
 
 log = logging.getLogger("flwr.pflalign")
@@ -118,10 +123,10 @@ def _cached(key: str, build):
 def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]:
     """The model (with w^0 as its live adapter on first build) and client k's data."""
     k, n = partition(context)
-    names = wire.client_names(cfg)
-    if n != len(names) or not 0 <= k < n:
+    names = names_from_config(cfg)  # None: a natural partition of files by a column (the data names them)
+    if not 0 <= k < n or (names is not None and n != len(names)):
         raise UserError(f"node config partition-id={k} num-partitions={n} does not fit the run's "
-                        f"{len(names)} clients ({', '.join(names)})")
+                        + (wire.describe_clients(names) if names is not None else "clients"))
     model_key = repr((cfg.model, cfg.lora, cfg.seed, cfg.dtype, cfg.device))
     lm = _cached(model_key, lambda: build_model(cfg))
     data_dir = context.node_config.get("data-dir") or cfg.data.dir

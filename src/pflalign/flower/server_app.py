@@ -2,9 +2,11 @@
 
 Reads its run config (`wire.RUN_DEFAULTS`), builds w^0 (the seeded LoRA
 initialisation, as the in-process engine does) and a `MethodStrategy`, waits
-for one SuperNode per client, then runs the rounds: `configure_train`, the
-replies, `aggregate_train`, metrics, a checkpoint. At the end every client
-scores its personalized, the global and the base model on its own test split.
+for the SuperNodes of the first round's clients (all N with participation 1;
+the seeded sample otherwise), then runs the rounds: `configure_train`, the
+replies, `aggregate_train`, metrics, a checkpoint. At the end every client (or
+the sample of ``eval.clients``) scores its personalized, the global and the
+base model on its own test split.
 
 The run directory (``out``, on the ServerApp's host) is written by the same
 `pflalign.lifecycle.Recorder` as ``pflalign run``'s (``config.json``,
@@ -69,7 +71,8 @@ def run(grid: Grid, rc: dict) -> dict:
     strategy = MethodStrategy(method, cfg, lm.get_lora(),  # the server needs only w^0
                               experiment=uuid.uuid4().hex[:12], min_clients=int(rc["min-clients"]),
                               max_update_norm=float(rc["max-update-norm"]),
-                              max_update_ratio=float(rc["max-update-ratio"]), privacy=privacy)
+                              max_update_ratio=float(rc["max-update-ratio"]), privacy=privacy,
+                              connect_timeout=float(rc["connect-timeout"]))
     del lm
     if rec.resuming:
         saved = rec.checkpoint
@@ -87,7 +90,7 @@ def run(grid: Grid, rc: dict) -> dict:
         log.info("round %d/%d: mean loss %.4f (%.1f s)", r + 1, cfg.rounds, mean_loss, seconds)
 
     try:
-        strategy.connect(grid, wait_for=strategy.num_clients, timeout=float(rc["connect-timeout"]))
+        strategy.connect(grid, strategy.clients_of_round(rec.start_round))  # the first round's clients, not all N
         tic = time.perf_counter()
         rec.train(cfg, rec.start_round, cfg.rounds, lambda r: train_round(grid, strategy, r, timeout, rec),
                   lambda r: round_eval(grid, strategy, r, timeout, rec), lambda: checkpoint(strategy), after)
@@ -147,7 +150,8 @@ def evaluate(grid: Grid, strategy: MethodStrategy, timeout: float) -> dict:
             f"{strategy.name(k)}: {why}" for k, why in sorted(missing.items())))
     rows = [client_row(k, s["task"], int(s["n_train"]), int(s["n_test"]), s["rouge_l_personalized"],
                        s["rouge_l_global"], s.get("rouge_l_base")) for k, s in scores.items()]
-    results = results_summary(cfg, rows, sum(int(s["truncated"]) for s in scores.values()))
+    results = results_summary(cfg, rows, sum(int(s["truncated"]) for s in scores.values()),
+                              num_clients=strategy.num_clients)
     results["flower"] = {
         "experiment": strategy.experiment,
         "rounds_done": {str(k): n for k, n in sorted(strategy.rounds_done.items())},  # rounds accepted per client

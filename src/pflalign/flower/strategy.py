@@ -19,8 +19,14 @@ per client, how many rounds it has finished. Which SuperNode is which client
   finite values, the ``max-update-norm`` bound) is rejected, logged with its
   SuperNode id and left out too; clients are not trusted.
 * `configure_evaluate` / `collect_evaluate` (`aggregate_evaluate`): every
-  connected client scores its personalized model, the global model (and the
-  base model), returned as an `EvalOutcome`.
+  client (or the seeded sample of ``eval.clients``, as in process) scores its
+  personalized model, the global model (and the base model), returned as an
+  `EvalOutcome`.
+
+Before each of them the strategy looks for new SuperNodes and waits for the
+clients the round needs (its sample) that have never connected, until
+``connect-timeout`` after the start of the run; a sampled client that has no
+SuperNode then counts as missing.
 
 The ServerApp drives these hooks itself rather than with ``Strategy.start``,
 so that every round is checkpointed and a run can resume.
@@ -41,7 +47,7 @@ from flwr.serverapp.strategy import Strategy
 from ..client import ClientRound
 from ..config import RunConfig
 from ..errors import TrainingDiverged, UserError
-from ..lifecycle import RoundRecord, sample_clients
+from ..lifecycle import RoundRecord, eval_clients, sample_clients
 from ..methods.base import Method, Params, RoundContext, data_weights
 from . import privacy as priv, validate, wire
 
@@ -72,39 +78,47 @@ class EvalOutcome:
 
 
 class Nodes:
-    """Which SuperNode is which client: asks new SuperNodes (a ``query`` message), forgets gone ones."""
+    """Which SuperNode is which client: asks new SuperNodes (one batch of ``query`` messages for
+    all the SuperNodes that appeared since the last look), forgets gone ones."""
 
     def __init__(self, names: list[str], query_timeout: float = 120.0):
         self.names = names
         self.query_timeout = query_timeout
         self.of: dict[int, int] = {}  # client (partition-id) → SuperNode id
+        self.seen: set[int] = set()  # clients that have had a SuperNode in this run (gone ones are not waited for)
         self.strangers: set[int] = set()  # SuperNodes that did not answer the query (not asked again)
 
     def name(self, k: int) -> str:
         return f"client {k} ({self.names[k]})"
 
-    def connect(self, grid: Grid, wait_for: int, timeout: float) -> None:
-        """Ask new SuperNodes which client they are, forget gone ones; wait (up to `timeout`
-        seconds) until `wait_for` clients are connected."""
-        deadline = time.monotonic() + timeout
+    def connect(self, grid: Grid, need: Iterable[int] = (), deadline: float | None = None) -> list[int]:
+        """Ask new SuperNodes which client they are, forget gone ones; until `deadline`
+        (`time.monotonic()`; None: do not wait), wait for the clients of `need` that have never
+        had a SuperNode. Returns those still without one."""
+        need = sorted(set(need))
+        last_log = time.monotonic()
         while True:
             live = set(grid.get_node_ids())
             self.of = {k: n for k, n in self.of.items() if n in live}
             new = sorted(live - set(self.of.values()) - self.strangers)
             if new:
                 self._identify(grid, new)
-            if len(self.of) >= wait_for:
-                return
-            if time.monotonic() > deadline:
-                absent = [self.name(k) for k in range(len(self.names)) if k not in self.of]
-                raise UserError(f"{len(self.of)} of {len(self.names)} clients connected after {timeout:.0f} s; "
-                                f"no SuperNode for {', '.join(absent)} (node config partition-id)")
+            waiting = [k for k in need if k not in self.seen]
+            if not waiting or deadline is None or time.monotonic() >= deadline:
+                return waiting
+            if time.monotonic() - last_log >= 30:
+                last_log = time.monotonic()
+                log.info("waiting for the SuperNodes of %d clients (%s); %.0f s left (connect-timeout)",
+                         len(waiting), ", ".join(self.name(k) for k in waiting[:4]) + (", ..." if len(waiting) > 4
+                                                                                      else ""),
+                         deadline - time.monotonic())
             time.sleep(1.0)
 
     def _identify(self, grid: Grid, node_ids: list[int]) -> None:
         queries = [Message(RecordDict({"config": ConfigRecord()}), node, MessageType.QUERY) for node in node_ids]
         self.strangers.update(node_ids)  # until they answer
-        for reply in grid.send_and_receive(queries, timeout=self.query_timeout):
+        found = []
+        for reply in grid.send_and_receive(queries, timeout=self.query_timeout):  # one push, all the replies
             if reply.has_error():
                 log.warning("a SuperNode did not say which client it is: %s", reply.error.reason)
                 continue
@@ -113,18 +127,34 @@ class Nodes:
             self.strangers.discard(node)
             if n != len(self.names) or not 0 <= k < n:
                 raise UserError(f"SuperNode {node} has partition-id={k} num-partitions={n}, but the run has "
-                                f"{len(self.names)} clients ({', '.join(self.names)})")
+                                f"{wire.describe_clients(self.names)}: start one SuperNode per client with "
+                                f"partition-id=0 ... {len(self.names) - 1} num-partitions={len(self.names)} (on "
+                                f"the Simulation Engine: num-supernodes={len(self.names)})")
             if k in self.of and self.of[k] != node:  # a restarted node, or a misconfigured one
                 log.warning("SuperNode %d replaces SuperNode %d as %s", node, self.of[k], self.name(k))
             self.of[k] = node
+            self.seen.add(k)
+            found.append((k, node))
+        for k, node in sorted(found)[:8]:
             log.info("SuperNode %d is %s", node, self.name(k))
+        if len(found) > 8:
+            log.info("... and %d more SuperNodes: %d of %d clients connected", len(found) - 8, len(self.of),
+                     len(self.names))
+
+    def unreached(self, clients: Iterable[int], timeout: float) -> dict[int, str]:
+        """The clients of `clients` without a SuperNode now → why."""
+        return {k: ("its SuperNode is not connected" if k in self.seen else
+                    f"no SuperNode with partition-id={k} connected (waited up to connect-timeout={timeout:g} s "
+                    "from the start of the run)")
+                for k in clients if k not in self.of}
 
 
 class MethodStrategy(Strategy):
     def __init__(self, method: Method, cfg: RunConfig, global_params: Params, experiment: str,
                  min_clients: int = 0, query_timeout: float = 120.0, max_update_norm: float = 0.0,
                  max_update_ratio: float = wire.RUN_DEFAULTS["max-update-ratio"],
-                 privacy: priv.Privacy = priv.Privacy()):
+                 privacy: priv.Privacy = priv.Privacy(),
+                 connect_timeout: float = wire.RUN_DEFAULTS["connect-timeout"]):
         self.method, self.cfg, self.experiment = method, cfg, experiment
         self.privacy = privacy  # DP and SecAgg+ (privacy.py); checked against the method by the ServerApp
         self.global_params = global_params
@@ -132,6 +162,8 @@ class MethodStrategy(Strategy):
         self.dtype = next(iter(global_params.values())).dtype
         self.nodes = Nodes(wire.client_names(cfg), query_timeout)
         self.min_clients = min_clients
+        # a client that has never had a SuperNode is waited for until connect-timeout after the first `connect`
+        self.connect_timeout, self.connect_deadline = connect_timeout, None
         self.expected = validate.expected_message(method, global_params)  # what a client's update must look like
         self.max_update_norm = max_update_norm  # 0: no bound
         self.max_update_ratio = max_update_ratio  # x the global model's norm; 0: no bound
@@ -151,12 +183,27 @@ class MethodStrategy(Strategy):
         return self.nodes.name(k)
 
     def summary(self) -> None:
-        log.info("pflalign %s: %d clients (%s), %d rounds x %d local steps, min-clients %s",
-                 self.cfg.method, self.num_clients, ", ".join(self.nodes.names), self.cfg.rounds,
-                 self.cfg.local_steps, self.min_clients or "all")
+        log.info("pflalign %s: %s, participation %g, %d rounds x %d local steps, min-clients %s",
+                 self.cfg.method, wire.describe_clients(self.nodes.names), self.cfg.participation,
+                 self.cfg.rounds, self.cfg.local_steps, self.min_clients or "all")
 
-    def connect(self, grid: Grid, wait_for: int, timeout: float) -> None:
-        self.nodes.connect(grid, wait_for, timeout)
+    def clients_of_round(self, r: int) -> list[int]:
+        """Round r's participants (0-based; the seeded sample, `lifecycle.sample_clients`, the
+        in-process engine's); r = rounds: the clients scored at the end (`eval_clients`)."""
+        if r >= self.cfg.rounds:
+            return eval_clients(self.num_clients, self.cfg.eval.clients, self.cfg.seed)
+        return sample_clients(self.num_clients, self.cfg.participation, self.cfg.seed, r)
+
+    def connect(self, grid: Grid, need: Iterable[int] = ()) -> dict[int, str]:
+        """Pick up new and restarted SuperNodes, forget gone ones, and wait for the clients of
+        `need` that have never had a SuperNode, until connect-timeout after the first call
+        (the start of the run): a Flower run waits for the clients a round samples, not for
+        all N. Returns the clients of `need` without a SuperNode → why (they count as missing)."""
+        if self.connect_deadline is None:
+            self.connect_deadline = time.monotonic() + self.connect_timeout
+        need = list(need)
+        self.nodes.connect(grid, need, self.connect_deadline)
+        return self.nodes.unreached(need, self.connect_timeout)
 
     # ---- messages and their replies -------------------------------------------------
     def _messages(self, clients: Iterable[int], content_of, message_type: str, server_round: int) -> list[Message]:
@@ -192,9 +239,8 @@ class MethodStrategy(Strategy):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         r = server_round - 1
-        self.connect(grid, wait_for=0, timeout=0)  # pick up restarted SuperNodes
-        chosen = sample_clients(self.num_clients, self.cfg.participation, self.cfg.seed, r)
-        self._unreached = {k: "its SuperNode is not connected" for k in chosen if k not in self.nodes.of}
+        chosen = self.clients_of_round(r)
+        self._unreached = self.connect(grid, chosen)
         broadcast = wire.pack(wire.BROADCAST, self.method.broadcast(self.global_params, self.server_state))
         dp = {priv.KEY_CLIPPING_NORM: self.privacy.clipping_norm} if self.privacy.dp else {}  # fixedclipping_mod's
         return self._messages(
@@ -265,9 +311,8 @@ class MethodStrategy(Strategy):
         are malformed, or whose |D_k| exceeds ``secagg-max-weight`` (its weight would not be
         quantized faithfully), fails the round."""
         r = server_round - 1
-        self.connect(grid, wait_for=0, timeout=0)
-        chosen = sample_clients(self.num_clients, self.cfg.participation, self.cfg.seed, r)
-        missing = {k: "its SuperNode is not connected" for k in chosen if k not in self.nodes.of}
+        chosen = self.clients_of_round(r)
+        missing = self.connect(grid, chosen)
         clients = [k for k in chosen if k in self.nodes.of]
         need = len(chosen) if self.min_clients <= 0 else min(self.min_clients, len(chosen))
         if len(clients) < max(2, need):
@@ -361,10 +406,9 @@ class MethodStrategy(Strategy):
                            grid: Grid) -> Iterable[Message]:
         """`config`: ``limit`` (test examples per client, 0: all), ``base`` (also the base
         model), ``predictions`` (clients write their generations next to their state)."""
-        self.connect(grid, wait_for=0, timeout=0)
-        clients = sorted(self.nodes.of)
-        self._unreached = {k: "its SuperNode is not connected" for k in range(self.num_clients)
-                           if k not in self.nodes.of}
+        scored = self.clients_of_round(self.cfg.rounds)  # all, or the seeded sample of eval.clients
+        self._unreached = self.connect(grid, scored)
+        clients = [k for k in scored if k in self.nodes.of]
         return self._messages(clients, lambda k: RecordDict({wire.GLOBAL: arrays, "config": self._config(k, **config)}),
                               MessageType.EVALUATE, server_round)
 

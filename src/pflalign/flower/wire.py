@@ -34,8 +34,11 @@ travels unless the method puts it in its message.
 Run configuration (``[tool.flwr.app.config]`` in pyproject.toml, overridden
 with ``flwr run --run-config``): ``config`` and ``set`` are ``pflalign run
 --config`` and ``--set``; the ServerApp resolves them once and sends the
-resolved configuration (JSON) with every message, so every node runs the
-same one. The other keys are about the Flower run itself (`RUN_DEFAULTS`).
+resolved configuration (JSON, about 1 kB) with every message, so every node
+runs the same one. It holds the partition's settings, never a list of the
+clients or anything else that grows with their number (unless your config
+names the clients in ``data.clients`` itself): client k computes its own
+share from them. The other keys are about the Flower run itself (`RUN_DEFAULTS`).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ RUN_DEFAULTS = {
     "resume": False,  # continue the unfinished run in `out` (its saved config; `config`/`set` ignored)
     "min-clients": 0,  # replies that let a round finish; 0: every client sampled for the round
     "round-timeout": 3600,  # seconds to wait for a round's replies
-    "connect-timeout": 600,  # seconds to wait at the start for one SuperNode per client
+    "connect-timeout": 600,  # seconds from the start to wait for the SuperNode of a sampled client not yet seen
     "client-dir": "",  # where clients keep their state when the node config has no state-dir
     "max-update-norm": 0.0,  # reject a client update whose norm exceeds this (see validate.py); 0: no bound
     "max-update-ratio": 10.0,  # reject an update larger than this x the global model's norm (validate.py); 0: off
@@ -197,11 +200,24 @@ def config_from_json(text: str) -> RunConfig:
 
 
 def client_names(cfg: RunConfig) -> list[str]:
-    """The name of every client (partition-id k is the k-th); the Flower app runs today's
-    federations only (one client per category), each ClientApp loading its own category."""
-    from ..partition import client_names as names, uses_partitioner
+    """The name of every client (partition-id k is the k-th), on the ServerApp's host: from the
+    config (`pflalign.partition.names_from_config`: every federation but one), else, for a
+    natural partition of your own files by a column without ``data.clients``, read off the
+    data (``data.dir``) on this host."""
+    from ..partition import client_names as names, names_from_config
 
-    if uses_partitioner(cfg):
-        raise UserError("the Flower app runs one client per category of synthetic, dolly or flan only; "
-                        "run data.name=files and data.partition/test_set options with `pflalign run`")
-    return names(cfg)
+    known = names_from_config(cfg)
+    if known is not None:
+        return known
+    try:
+        return names(cfg)
+    except UserError as exc:
+        raise UserError(f"the ServerApp names the clients of data.partition=natural (one per value of "
+                        f"{cfg.data.partition_by}) by reading data.dir on its host, and could not: {exc}; "
+                        "or name them: data.clients=a,b,...") from None
+
+
+def describe_clients(names: list[str], shown: int = 4) -> str:
+    """"N clients (a, b, c, d, ...)": the run's clients for a message, however many there are."""
+    listed = ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+    return f"{len(names)} clients ({listed})"
