@@ -32,8 +32,8 @@ msg = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=1, message_typ
 ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 2, "num-partitions": 4}, state=RecordDict(),
               run_config={})
 reply = client_app.app(msg, ctx)
-print(json.dumps({"info": dict(reply.content["info"]),
-                  "loaded": sorted(m for m in ("torch", "transformers", "peft", "pflalign.model") if m in sys.modules)}))
+heavy = ("torch", "transformers", "peft", "pflalign.model")
+print(json.dumps({"info": dict(reply.content["info"]), "loaded": sorted(m for m in heavy if m in sys.modules)}))
 """
 
 
