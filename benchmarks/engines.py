@@ -64,17 +64,30 @@ Measured, per engine (wall clock, ``time.monotonic``):
   default); ``same`` when the names match and it is at most 1e-6 (the Flower
   tests' tolerance). A run that differs makes the exit status 1.
 
+* ``cpu_by_process_kind`` (in ``machine_load``): the CPU seconds of the run's
+  processes by kind (SuperLink, SuperNodes, SuperExecs, ClientApp and ServerApp
+  processes, Ray's, the in-process run), read every second (`ProcessMeter`);
+* ``identical``: whether that largest difference is exactly 0 (issue 23's target).
+
 Every engine's processes (and those they start: SuperExec, app processes, Ray)
 are stopped before the next starts, and at the end also on an error, Ctrl-C or
-SIGTERM. Threads (recorded in the JSON): the in-process run trains one client at
-a time and keeps torch's default, every core; Ray sets its actors'
-``OMP_NUM_THREADS`` to their CPU count, 1; the Deployment Engine's processes get
-``OMP_NUM_THREADS`` = max(1, cores // N), since N ClientApps train at once. With
-torch's default there, 4 ClientApps of 2 threads on 2 cores made the first round
-take 386 s; with 1 thread each, 173 s. An ``OMP_NUM_THREADS`` set in
-this environment is passed to every engine unchanged. The Flower processes import
-pflalign from this environment (as the installed app does), not from the app
-bundle that ``flwr run`` sends.
+SIGTERM. Cores and threads: every engine gets the cores this benchmark may run
+on (its CPU affinity: all of the machine's, or those ``taskset`` gives it), and
+processes training at once × threads each = those cores where the engine allows
+it (`engine_threads`, recorded per engine in the JSON as ``threads``). The
+in-process run trains one client at a time with ``OMP_NUM_THREADS`` = cores; the
+Simulation Engine gets ``init-args-num-cpus`` = cores (Ray counts every CPU of the
+machine, even under ``taskset``) and ``client-resources-num-cpus`` = max(1, cores //
+N), so Ray runs cores // that many ClientApps at once, each with that many threads;
+the Deployment Engine's N ClientApps all train at once, with ``OMP_NUM_THREADS`` =
+max(1, cores // N) each (4 SuperNodes on 2 cores: 4 processes of 1 thread, twice
+the cores; with torch's default there, 4 ClientApps of 2 threads on 2 cores made
+the first round take 386 s; with 1 thread each, 173 s). An ``OMP_NUM_THREADS``
+set in this environment is overridden. The in-process run uses mimalloc (the
+``pflalign`` command re-executes itself under it), Flower's processes the system
+allocator (``allocator`` in ``threads``). The Flower processes import pflalign from
+this environment (as the installed app does), not from the app bundle that ``flwr
+run`` sends.
 """
 
 from __future__ import annotations
@@ -92,6 +105,7 @@ import time
 from pathlib import Path
 
 import flwr
+import psutil
 import torch
 
 from pflalign import checkpoint as ckpt
@@ -159,6 +173,64 @@ class WireMeter:
                                "to the SuperLink port; per round from the launch or the previous round's line"}
 
 
+class ProcessMeter:
+    """CPU seconds (user + system) of every process of a run, by kind (SuperLink, SuperNode,
+    SuperExec, ClientApp, ServerApp, Ray, ...): the process trees of `procs` are walked every
+    `every` seconds and each process's last reading is kept. A process that exits and is reaped
+    between two readings loses at most `every` seconds; Flower's short-lived app processes stay
+    zombies (readable) until their SuperExec starts the next one, so they are read to the end."""
+
+    KINDS = ("flwr-clientapp", "flwr-serverapp", "flwr-simulation", "flower-superexec", "flower-supernode",
+             "flower-superlink", "raylet", "gcs_server", "ray::", "ray", "pflalign")
+
+    def __init__(self, procs: Processes, every: float = 1.0):
+        self.procs, self.every = procs, every
+        self.seen: dict[tuple[int, float], dict] = {}  # (pid, start time) -> kind, cpu, first/last seen
+        self.last = 0.0
+
+    @classmethod
+    def kind(cls, cmdline: list[str], name: str) -> str:
+        text = " ".join(cmdline[:3]) or name
+        if "flwr" in text and " run " in f" {' '.join(cmdline[1:3])} ":
+            return "flwr run"
+        return next((k for k in cls.KINDS if k in text), "other")
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.every:
+            return
+        self.last = now
+        for proc in list(self.procs.procs.values()):
+            try:
+                root = psutil.Process(proc.pid)
+                family = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for p in family:
+                try:
+                    with p.oneshot():
+                        key, cpu = (p.pid, p.create_time()), p.cpu_times()
+                        entry = self.seen.get(key)
+                        if entry is None:
+                            entry = self.seen[key] = {"kind": self.kind(p.cmdline(), p.name()), "first": now}
+                        entry["cpu_s"], entry["last"] = cpu.user + cpu.system, now
+                except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                    continue
+
+    def summary(self) -> dict:
+        """Per kind: how many processes, their CPU seconds in all, and the largest one's."""
+        kinds: dict[str, dict] = {}
+        for entry in self.seen.values():
+            k = kinds.setdefault(entry["kind"], {"processes": 0, "cpu_s": 0.0, "max_cpu_s": 0.0})
+            k["processes"] += 1
+            k["cpu_s"] += entry["cpu_s"]
+            k["max_cpu_s"] = max(k["max_cpu_s"], entry["cpu_s"])
+        return {"cpu_by_process_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1]["cpu_s"])),
+                "cpu_by_process_kind_source": f"psutil cpu_times of the run's process trees, read every "
+                                              f"{self.every:g} s (a process reaped between two reads loses "
+                                              f"at most that much)"}
+
+
 def round_count(out: Path) -> int:
     try:
         return sum('"event": "round"' in line for line in (out / ckpt.METRICS).read_text().splitlines())
@@ -167,11 +239,13 @@ def round_count(out: Path) -> int:
 
 
 def wait_for_results(out: Path, procs: Processes, name: str, t0: float, timeout: float,
-                     meter: WireMeter | None = None) -> tuple[float, float]:
+                     meter: WireMeter | None = None, cpu: ProcessMeter | None = None) -> tuple[float, float]:
     """Seconds from t0 until results.json exists, and until process `name` exits (`meter`: marked
-    at each new round line and at results.json)."""
+    at each new round line and at results.json; `cpu`: read as it asks)."""
     proc, found, rounds = procs.procs[name], None, 0
     while found is None:
+        if cpu is not None:
+            cpu.tick()
         if meter is not None:
             meter.tick()
             if (now := round_count(out)) > rounds:
@@ -191,10 +265,16 @@ def wait_for_results(out: Path, procs: Processes, name: str, t0: float, timeout:
     return found, time.monotonic() - t0
 
 
-def deployment_threads(clients: int) -> str:
-    """Threads per Deployment Engine process: the cores shared by the N ClientApps that
-    train at once (unless OMP_NUM_THREADS is set here)."""
-    return os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // clients))
+def engine_threads(engine: str, clients: int, cores: int) -> dict:
+    """How an engine spreads over `cores`: the processes that train at once and the torch
+    threads of each (their product is `cores` where the engine allows it)."""
+    if engine == "inprocess":  # one client at a time
+        return {"processes": 1, "threads": cores, "allocator": "mimalloc (the pflalign command)"}
+    if engine == "simulation":  # Ray: runtime_cpus // client_cpus actors
+        client_cpus = max(1, cores // clients)
+        return {"processes": min(clients, cores // client_cpus), "threads": client_cpus, "runtime_cpus": cores,
+                "client_cpus": client_cpus, "allocator": "system"}
+    return {"processes": clients, "threads": max(1, cores // clients), "allocator": "system"}  # every ClientApp at once
 
 
 def machine_cpu_seconds() -> float:
@@ -212,14 +292,15 @@ def own_cpu_seconds() -> float:
                for f in ("ru_utime", "ru_stime"))
 
 
-def run_engine(engine: str, root: Path, config: Path, clients: int, timeout: float) -> dict:
+def run_engine(engine: str, root: Path, config: Path, clients: int, timeout: float, threads: dict) -> dict:
     out = root / "out"
     busy0, own0, load0 = machine_cpu_seconds(), own_cpu_seconds(), os.getloadavg()[0]
+    env = {"OMP_NUM_THREADS": str(threads["threads"])}
     if engine == "inprocess":
-        procs = Processes(root)
+        procs = Processes(root, env)
     else:
-        procs = Cluster(root, REPO, clients, simulation=engine == "simulation", client_cpus=1,
-                        env={"OMP_NUM_THREADS": deployment_threads(clients)} if engine == "deployment" else None)
+        procs = Cluster(root, REPO, clients, simulation=engine == "simulation",
+                        client_cpus=threads.get("client_cpus", 1), env=env, runtime_cpus=threads.get("runtime_cpus"))
     try:
         startup = 0.0  # in-process: nothing to start
         if isinstance(procs, Cluster):
@@ -239,7 +320,9 @@ def run_engine(engine: str, root: Path, config: Path, clients: int, timeout: flo
                                 "--no-progress"])
         else:
             procs.flwr_run({"config": str(config), "out": str(out), "client-dir": str(root / "clients")}, "run")
-        run_s, exit_s = wait_for_results(out, procs, "run", t0, timeout, meter)
+        cpu = ProcessMeter(procs)
+        run_s, exit_s = wait_for_results(out, procs, "run", t0, timeout, meter, cpu)
+        cpu.tick(force=True)
     finally:
         procs.close()
     left = procs.leftovers()
@@ -250,8 +333,8 @@ def run_engine(engine: str, root: Path, config: Path, clients: int, timeout: flo
     # SuperExec, count as other work: their CPU is not reaped by this process)
     machine = {"machine_cpu_s": busy, "own_cpu_s": own, "other_cpu_s": busy - own,
                "loadavg_1min_before_after": [load0, os.getloadavg()[0]]}
-    return {"startup_s": startup, "run_s": run_s, "exit_s": exit_s, "out": out, "machine": machine,
-            "wire": meter.summary() if meter is not None else {}}
+    return {"startup_s": startup, "run_s": run_s, "exit_s": exit_s, "out": out,
+            "machine": {**machine, **cpu.summary()}, "wire": meter.summary() if meter is not None else {}}
 
 
 def round_lines(out: Path) -> list[dict]:
@@ -283,9 +366,9 @@ def summarize(engine: str, measured: dict) -> dict:
 
 def compare(reference: dict, other: dict) -> dict:
     if reference.keys() != other.keys():
-        return {"same": False, "max_abs_diff": None, "why": "different tensor names"}
+        return {"same": False, "identical": False, "max_abs_diff": None, "why": "different tensor names"}
     diff = max(float((reference[n].double() - other[n].double()).abs().max()) for n in reference)
-    return {"same": diff <= TOLERANCE, "max_abs_diff": diff}
+    return {"same": diff <= TOLERANCE, "identical": diff == 0, "max_abs_diff": diff}
 
 
 def megabytes(values: list[int] | None) -> str:
@@ -297,13 +380,14 @@ def megabytes(values: list[int] | None) -> str:
 
 def print_table(report: dict) -> None:
     ref = report["reference"]
-    head = ("engine", "startup s", "run s", "train s", "eval s", "other s", "exit s", "to clients/round",
-            "from clients/round", "TCP to/from clients/round", f"max|Δw| vs {ref}")
+    head = ("engine", "processes x threads", "startup s", "run s", "train s", "eval s", "other s", "exit s",
+            "to clients/round", "from clients/round", "TCP to/from clients/round", f"max|Δw| vs {ref}")
     rows = [head]
     for engine, r in report["engines"].items():
         diff = "-" if engine == ref else ("n/a" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.2e}")
-        rows.append((engine, f"{r['startup_s']:.1f}", f"{r['run_s']:.1f}", f"{r['train_s']:.1f}", f"{r['eval_s']:.1f}",
-                     f"{r['other_s']:.1f}", f"{r['exit_s']:.1f}", megabytes(r["bytes_to_clients"]),
+        rows.append((engine, f"{r['threads']['processes']} x {r['threads']['threads']}", f"{r['startup_s']:.1f}",
+                     f"{r['run_s']:.1f}", f"{r['train_s']:.1f}", f"{r['eval_s']:.1f}", f"{r['other_s']:.1f}",
+                     f"{r['exit_s']:.1f}", megabytes(r["bytes_to_clients"]),
                      megabytes(r["bytes_from_clients"]),
                      f"{megabytes(r['wire_bytes_to_clients'])} / {megabytes(r['wire_bytes_from_clients'])}"
                      if "wire_bytes_to_clients" in r else "-", diff))
@@ -343,16 +427,18 @@ def main() -> int:
 
     config = resolve(Path(args.data_dir), args.set)
     clients = len(client_names(build_config(None, config)))
+    cores = len(os.sched_getaffinity(0))  # what every engine may use (taskset: fewer than the machine's)
+    threads = {engine: engine_threads(engine, clients, cores) for engine in engines}
     report = {
         "command": sys.argv,
         "commit": git_commit(),
         "config": config,
         "clients": clients,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "cpu_affinity": sorted(os.sched_getaffinity(0)),  # taskset: the cores every engine ran on "python": platform.python_version(),
+                    "cpu_affinity": sorted(os.sched_getaffinity(0)),  # taskset: the cores every engine ran on
+                    "cores": cores, "python": platform.python_version(),
                     "torch": torch.__version__, "flwr": flwr.__version__,
-                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
-                    "deployment_OMP_NUM_THREADS": deployment_threads(clients)},
+                    "OMP_NUM_THREADS_here": os.environ.get("OMP_NUM_THREADS")},  # overridden per engine (threads)
         "reference": engines[0],
         "engines": {},
     }
@@ -364,14 +450,15 @@ def main() -> int:
         finals = {}
         for engine in engines:
             print(f"{engine}: running ...", flush=True)
-            measured = run_engine(engine, work / engine, config_file, clients, args.timeout)
-            report["engines"][engine] = summarize(engine, measured)
+            measured = run_engine(engine, work / engine, config_file, clients, args.timeout, threads[engine])
+            report["engines"][engine] = {"threads": threads[engine], **summarize(engine, measured)}
             finals[engine] = ckpt.load_checkpoint(measured["out"] / ckpt.CHECKPOINT)["global"]
             report["engines"][engine].update(compare(finals[engines[0]], finals[engine]))
             r = report["engines"][engine]
             load = r["machine_load"]
+            ours = sum(k["cpu_s"] for k in load["cpu_by_process_kind"].values())
             print(f"{engine}: startup {r['startup_s']:.1f} s, run {r['run_s']:.1f} s (CPU: machine "
-                  f"{load['machine_cpu_s']:.0f} s, ours {load['own_cpu_s']:.0f} s)", flush=True)
+                  f"{load['machine_cpu_s']:.0f} s, the run's processes {ours:.0f} s)", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print()

@@ -211,7 +211,7 @@ def test_a_partitioned_simulation_equals_in_process_bit_for_bit(tmp_path):
                               eval={**TINY["eval"], "clients": 3, "base_model": False})
     ref = tmp_path / "ref"
     reference = run_in_process(build_config(None, config), ref, progress=False)
-    cluster = Cluster(tmp_path, REPO, clients=4, simulation=True, ray_cpus=1,
+    cluster = Cluster(tmp_path, REPO, clients=4, simulation=True, runtime_cpus=1,
                       env={"PFLALIGN_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"})
     try:
         cluster.start_link()

@@ -22,9 +22,13 @@ docs/distributed.md): ``pflalign.flower.server_app:app`` and
 ``pflalign.flower.client_app:app``.
 """
 
-from transformers.utils import logging as _hf_logging
 
-# The apps' output is a log (the SuperNode's, the ServerApp's), where a progress bar is only
-# carriage-return noise: transformers' bars are off in every process that runs them, and with
-# them the GGUF de-quantization bar (pflalign.model_cache follows the same switch).
-_hf_logging.disable_progress_bar()
+def quiet_progress_bars() -> None:
+    """Switch transformers' progress bars off in this process, and with them the GGUF
+    de-quantization bar (pflalign.model_cache follows the same switch): the apps' output is a
+    log (the SuperNode's, the ServerApp's), where a bar is only carriage-return noise. Called
+    by the apps before they build the model, not on import: importing transformers costs
+    seconds, which a ClientApp process that answers a ``query`` should not pay."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()

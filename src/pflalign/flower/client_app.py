@@ -46,7 +46,15 @@ host's caches: the model's de-quantized safetensors copy, memory-mapped
 (`pflalign.model_cache`), and this client's examples with their token ids
 (`pflalign.data_cache`); a process loads client k's data alone. Its first
 train message logs how long after the process started its first local step
-began (benchmarks/README.md has the figures).
+began, and the CPU seconds it had used by then (benchmarks/README.md has the
+figures).
+
+This module imports only Flower and light parts of pflalign: torch,
+transformers and the training code are imported by the train and evaluate
+handlers. Every SuperNode's first message is a ``query``, and on the
+Deployment Engine it runs in a fresh process of its own, which then costs
+Flower's start alone (about 2 CPU seconds, against 7–9 with torch and
+transformers).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.client.mod import fixedclipping_mod as legacy_fixedclipping_mod, secaggplus_mod
@@ -61,14 +70,12 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from .. import checkpoint as ckpt, export
-from ..client import Client, make_client, score_client, train_client
-from ..config import RunConfig, make_method
 from ..errors import UserError
-from ..model import FederatedLM, build_model, cache_dir
-from ..data_cache import client_data
-from ..partition import names_from_config
-from . import privacy, wire
+
+if TYPE_CHECKING:  # imported where they are used (see the module docstring)
+    from ..client import Client
+    from ..config import RunConfig
+    from ..model import FederatedLM
 
 log = logging.getLogger("flwr.pflalign")
 
@@ -82,6 +89,8 @@ def privacy_mods(msg: Message, context: Context, call_next) -> Message:
     upload is clipped before it is masked or sent. Other messages go straight to the app."""
     if msg.metadata.message_type != MessageType.TRAIN:
         return call_next(msg, context)
+    from . import privacy
+
     if RECORD_KEY_CONFIGS in msg.content.config_records:
         def clipped(inner: Message, ctx: Context) -> Message:
             if privacy.KEY_CLIPPING_NORM in inner.content.config_records[privacy.LEGACY_FITINS]:
@@ -108,6 +117,8 @@ def partition(context: Context) -> tuple[int, int]:
 
 
 def state_folder(context: Context, experiment: str, k: int) -> Path:
+    from ..model import cache_dir
+
     base = (context.node_config.get("state-dir") or context.run_config.get("client-dir")
             or cache_dir() / "flower")
     return Path(str(base)).expanduser() / experiment / f"client-{k}"
@@ -122,12 +133,19 @@ def _cached(key: str, build):
 
 def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]:
     """The model (with w^0 as its live adapter on first build) and client k's data."""
+    from ..client import Client, make_client
+    from ..data_cache import client_data
+    from ..model import build_model
+    from ..partition import names_from_config
+    from . import quiet_progress_bars, wire
+
     k, n = partition(context)
     names = names_from_config(cfg)  # None: a natural partition of files by a column (the data names them)
     if not 0 <= k < n or (names is not None and n != len(names)):
         raise UserError(f"node config partition-id={k} num-partitions={n} does not fit the run's "
                         + (wire.describe_clients(names) if names is not None else "clients"))
     model_key = repr((cfg.model, cfg.lora, cfg.seed, cfg.dtype, cfg.device))
+    quiet_progress_bars()
     lm = _cached(model_key, lambda: build_model(cfg))
     data_dir = context.node_config.get("data-dir") or cfg.data.dir
     data_key = repr((model_key, k, cfg.data, data_dir, cfg.batch_size, cfg.max_seq_len))
@@ -147,6 +165,8 @@ def _w0(lm: FederatedLM, cfg: RunConfig) -> dict:
 
 def load_state(folder: Path, done: int, client: Client, method, w0) -> None:
     """The client's state after its `done`-th accepted round (0: a fresh state from w^0)."""
+    from .. import checkpoint as ckpt
+
     if done == 0:
         client.state = method.init_client_state(w0)
         return
@@ -160,6 +180,8 @@ def load_state(folder: Path, done: int, client: Client, method, w0) -> None:
 
 def save_state(folder: Path, n: int, client: Client) -> None:
     """Write round-<n>.pt; keep it and round-<n-1>.pt (the state the server has accepted)."""
+    from .. import checkpoint as ckpt
+
     ckpt.save_checkpoint(folder / f"round-{n}.pt", {"client": client.id, "task": client.name,
                                                     "state": client.state, "personalized": client.personalized,
                                                     "steps_taken": client.steps_taken})
@@ -169,6 +191,9 @@ def save_state(folder: Path, n: int, client: Client) -> None:
 
 
 def _setup(msg: Message, context: Context, conf: ConfigRecord | None = None):
+    from ..config import make_method
+    from . import wire
+
     conf = msg.content["config"] if conf is None else conf
     cfg = wire.config_from_json(str(conf["cfg"]))
     lm, client = build_client(cfg, context)
@@ -206,6 +231,9 @@ def train(msg: Message, context: Context) -> Message:
     """One round. Under SecAgg+ the message and the reply have Flower's legacy FitIns/FitRes
     layout (privacy.py): the same round, with w^r from ``fitins.parameters`` and the upload
     (masked by `secaggplus_mod` after this returns) in ``fitres.parameters``."""
+    from ..client import train_client
+    from . import privacy, wire
+
     tic = time.perf_counter()
     first = not _CACHE  # this process's first message: it loads the model and the data
     secagg = privacy.LEGACY_FITINS in msg.content.config_records
@@ -213,8 +241,8 @@ def train(msg: Message, context: Context) -> Message:
     cfg, conf, lm, client, method, folder = _setup(msg, context, conf)
     age = _process_age()
     if first and age is not None:  # the cost of Flower's process per message (benchmarks/README.md)
-        log.info("client %d (%s): first local step %.1f s after its ClientApp process started (setup %.1f s)",
-                 client.id, client.name, age, time.perf_counter() - tic)
+        log.info("client %d (%s): first local step %.1f s after its ClientApp process started, %.1f CPU s "
+                 "(setup %.1f s)", client.id, client.name, age, time.process_time(), time.perf_counter() - tic)
     dtype, device = next(iter(lm.lora.values())).dtype, lm.device
     if secagg:
         global_params, received = {n: t.to(device=device, dtype=dtype) for n, t in w.items()}, {}
@@ -243,6 +271,10 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Score the personalized model (the global one if this client never trained), the global
     model and, when asked, the base model on the first `limit` test examples (0: all)."""
+    from .. import checkpoint as ckpt, export
+    from ..client import score_client
+    from . import wire
+
     cfg, conf, lm, client, method, folder = _setup(msg, context)
     dtype, device = next(iter(lm.lora.values())).dtype, lm.device
     global_params = wire.from_record(msg.content[wire.GLOBAL], dtype, device)

@@ -149,9 +149,9 @@ class Cluster(Processes):
 
     `clients`: the run's number of clients (the SuperNodes' ``num-partitions``; with
     `simulation`, ``num-supernodes``); `client_cpus`: the Simulation Engine's
-    ``client-resources-num-cpus``; `ray_cpus`: the CPUs Ray may use
-    (``init-args-num-cpus``; None: Ray counts the machine's, ignoring a `taskset` pin),
-    so the Simulation Engine runs ray_cpus // client_cpus actors.
+    ``client-resources-num-cpus``; `runtime_cpus`: its ``init-args-num-cpus``, the CPUs
+    Ray may use, so it runs that many // `client_cpus` ClientApps at once (None: Ray's
+    own count, every CPU of the machine, even in a process confined to fewer by ``taskset``).
 
     `tls`: a folder with ``ca.crt``, ``server.pem`` and ``server.key`` (a server
     certificate for 127.0.0.1 signed by that CA): the SuperLink serves TLS, the
@@ -161,11 +161,11 @@ class Cluster(Processes):
 
     def __init__(self, root: Path, app: Path, clients: int, simulation: bool = False, client_cpus: int = 1,
                  env: dict | None = None, tls: Path | None = None, node_auth: bool = False,
-                 ray_cpus: int | None = None):
+                 runtime_cpus: int | None = None):
         home = Path(root) / "flwr-home"
         super().__init__(root, {"FLWR_HOME": str(home), **(env or {})})
         self.app, self.clients, self.simulation, self.client_cpus = Path(app), clients, simulation, client_cpus
-        self.ray_cpus = ray_cpus
+        self.runtime_cpus = runtime_cpus
         self.tls, self.node_auth = (Path(tls) if tls else None), node_auth
         if node_auth and not tls:
             raise ValueError("SuperNode authentication needs TLS")
@@ -232,7 +232,7 @@ class Cluster(Processes):
                 items.append(f"{key}={value}")
         args = [str(BIN / "flwr"), "run", str(self.app), CONNECTION, "--run-config", " ".join(items), "--stream"]
         if self.simulation:
-            ray = f" init-args-num-cpus={self.ray_cpus}" if self.ray_cpus else ""
-            args += ["--federation-config",
-                     f"num-supernodes={self.clients} client-resources-num-cpus={self.client_cpus}{ray}"]
+            federation = f"num-supernodes={self.clients} client-resources-num-cpus={self.client_cpus}"
+            federation += f" init-args-num-cpus={self.runtime_cpus}" if self.runtime_cpus else ""
+            args += ["--federation-config", federation]
         return self.start(name, args)
