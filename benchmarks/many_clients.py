@@ -3,6 +3,7 @@ run with many clients and partial participation, against the paper's 4-client ru
 
     python benchmarks/many_clients.py --data-dir ../shared/data --only smollm2 --out benchmarks/results/many_clients_smollm2.json
     python benchmarks/many_clients.py --data-dir ../shared/data --only tiny --out benchmarks/results/many_clients_tiny.json
+    python benchmarks/many_clients.py --data-dir ../shared/data --only flower --out benchmarks/results/many_clients_flower.json
 
 Sections (``--only``):
 
@@ -16,12 +17,24 @@ Sections (``--only``):
 * ``tiny``: the tiny random Llama on Dolly split IID into 1000 clients, participation 0.01
   (10 a round), 40 rounds: the RSS at the end of every round, to show it stays flat while ever
   more clients have trained (each has a file in clients/).
+* ``flower``: the same 4-against-100 comparison on Flower's Simulation Engine with the tiny
+  random Llama (``FLOWER_TINY``: LoRA r 4, 3 rounds × 2 local steps of 2 examples,
+  ``max_seq_len`` 96): ``four``, the training rows of all 8 FLAN tasks split Dirichlet α = 0.5
+  over ``category`` into 4 clients, participation 1.0; ``hundred``, the same rows into 100
+  clients of at least 5 rows, participation 0.1 (10 a round), ``eval.clients=10``. One
+  Ray actor (``client-resources-num-cpus=1 init-args-num-cpus=1``: one core), a fresh data
+  cache per run.
 
-Each run is ``python -m pflalign run`` in a subprocess (the CLI, as a user runs it). Measured:
-peak RSS from ``os.wait4`` (the child's ``ru_maxrss``), RSS at each round's end (``VmRSS`` of
-the child, read when the round's line appears in metrics.jsonl, polled every 50 ms), seconds
-per round from metrics.jsonl's ``round`` lines, the size of the run folder's checkpoint and
-client files.
+Each in-process run is ``python -m pflalign run`` in a subprocess (the CLI, as a user runs
+it). Measured: peak RSS from ``os.wait4`` (the child's ``ru_maxrss``), RSS at each round's end
+(``VmRSS`` of the child, read when the round's line appears in metrics.jsonl, polled every 50
+ms), seconds per round from metrics.jsonl's ``round`` lines, the size of the run folder's
+checkpoint and client files. A Flower run is a SuperLink with ``--simulation`` and ``flwr
+run`` (`pflalign.flower.cluster`); its peak RSS is the largest sum, over one poll every 0.5 s,
+of the RSS of every process of the run's tree (SuperLink, SuperExec, ServerApp, the simulation
+process, Ray's processes and actors; pages shared between processes count once per process),
+seconds per round again from metrics.jsonl, and the bytes of a training message's
+configuration record (what the ServerApp sends besides the tensors) at each size.
 """
 
 from __future__ import annotations
@@ -67,6 +80,21 @@ def tiny_configs(data_dir: Path) -> dict[str, dict]:
                  "max_test": 2},
         "eval": {"max_new_tokens": 4, "batch_size": 4, "base_model": False, "clients": 20},
     }}
+
+
+FLOWER_TINY = {"method": "pflalign", "model": "tiny-llama", "lora": {"r": 4, "alpha": 8}, "rounds": 3,
+               "local_steps": 2, "batch_size": 2, "max_seq_len": 96,
+               "eval": {"max_new_tokens": 4, "batch_size": 4, "base_model": False}}
+
+
+def flower_configs(data_dir: Path) -> dict[str, dict]:
+    data = {"name": "flan", "dir": str(data_dir / "flan"), "max_test": 2, "clients": FLAN_ALL,
+            "partition": "dirichlet", "alpha": 0.5, "partition_by": "category", "min_partition_size": 5}
+    return {
+        "four": {**FLOWER_TINY, "data": {**data, "num_clients": 4}},
+        "hundred": {**FLOWER_TINY, "participation": 0.1, "data": {**data, "num_clients": 100},
+                    "eval": {**FLOWER_TINY["eval"], "clients": 10}},
+    }
 
 
 def rss_kb(pid: int) -> int | None:
@@ -148,10 +176,85 @@ def measure(name: str, config: dict, work: Path) -> dict:
     }
 
 
+def tree_rss(procs) -> dict[str, int]:
+    """RSS in bytes of every live process of a `Processes` tree (those it started and theirs), by
+    "name pid"."""
+    import psutil
+
+    procs.track()
+    for p in list(procs.seen.values()):  # detached ones (SuperExec, Ray's) are no longer children of ours
+        try:
+            for child in p.children(recursive=True):
+                procs.seen.setdefault(child.pid, child)
+        except psutil.NoSuchProcess:
+            pass
+    rss = {}
+    for p in procs.seen.values():
+        try:
+            rss[f"{p.name()} {p.pid}"] = p.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    return rss
+
+
+def message_config_bytes(config: dict) -> int:
+    """The bytes of the ConfigRecord of a training message of this run (`MethodStrategy._config`)."""
+    from pflalign.config import build_config, make_method
+    from pflalign.flower.strategy import MethodStrategy
+    from pflalign.model import build_model
+
+    cfg = build_config(None, config)
+    strategy = MethodStrategy(make_method(cfg), cfg, build_model(cfg).get_lora(), experiment="0" * 12)
+    return strategy._config(cfg.data.num_clients - 1, round=cfg.rounds - 1).count_bytes()
+
+
+def measure_flower(name: str, config: dict, work: Path) -> dict:
+    """One Simulation Engine run of `config`: the process tree's peak RSS, seconds per round."""
+    from pflalign.flower.cluster import Cluster
+
+    root, n = work / name, config["data"]["num_clients"]
+    cluster = Cluster(root, REPO, clients=n, simulation=True, client_cpus=1, ray_cpus=1,
+                      env={"PFLALIGN_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1",
+                           "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])})
+    out, peak, peak_at, processes = root / "out", 0, {}, set()
+    try:
+        tic = time.monotonic()
+        cluster.start_link()
+        cluster.flwr_run({"set": json.dumps(config), "out": str(out), "client-dir": str(root / "clients")}, "run")
+        while cluster.procs["run"].poll() is None:
+            rss = tree_rss(cluster)
+            processes.update(rss)
+            if sum(rss.values()) > peak:
+                peak, peak_at = sum(rss.values()), rss
+            time.sleep(0.5)
+        wall = time.monotonic() - tic
+        log = cluster.finish("run")
+    finally:
+        cluster.close()
+    if not (out / "results.json").exists():
+        raise SystemExit(f"{name} failed:\n{log[-3000:]}")
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rounds = [r for r in rows if r["event"] == "round"]
+    seconds = [r["seconds"] for r in rounds]
+    results = json.loads((out / "results.json").read_text())
+    return {
+        "config": config, "engine": "simulation", "wall_s": wall, "peak_tree_rss_gb": peak / 1e9,
+        "peak_tree_rss_by_process_mb": {k: round(v / 1e6, 1) for k, v in sorted(peak_at.items(), key=lambda kv: -kv[1])},
+        "processes_seen": len(processes),
+        "round_seconds": seconds, "seconds_per_round": sum(seconds) / len(seconds),
+        "participants_per_round": [len(r["clients"]) for r in rounds],
+        "missing_per_round": [r.get("missing", []) for r in rounds],
+        "tensor_bytes_per_message_down": [r["bytes_to_clients"] // len(r["clients"]) for r in rounds],
+        "config_bytes_per_message": message_config_bytes(config),
+        "seconds_eval": results.get("seconds_eval"), "clients_scored": len(results["clients"]),
+        "clients_in_federation": results.get("clients_in_federation", len(results["clients"])),
+    }
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", type=Path, required=True)
-    ap.add_argument("--only", choices=["smollm2", "tiny"], required=True)
+    ap.add_argument("--only", choices=["smollm2", "tiny", "flower"], required=True)
     ap.add_argument("--runs", nargs="*", help="only these runs of the section (e.g. four), to start them apart")
     ap.add_argument("--combine", nargs="*", type=Path, help="merge these outputs of --runs into --out instead")
     ap.add_argument("--out", type=Path, required=True)
@@ -163,21 +266,23 @@ def main(argv=None) -> None:
             report["runs"].update(p["runs"])
         finish(report, args.out)
         return
-    configs = smollm2_configs(args.data_dir) if args.only == "smollm2" else tiny_configs(args.data_dir)
+    configs = {"smollm2": smollm2_configs, "tiny": tiny_configs, "flower": flower_configs}[args.only](args.data_dir)
     if args.runs:
         configs = {k: v for k, v in configs.items() if k in args.runs}
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     report = {"section": args.only, "commit": commit, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "machine": {"cpu": platform.processor() or platform.machine(), "cpus_allowed": len(os.sched_getaffinity(0)),
+                          "cpu_affinity": sorted(os.sched_getaffinity(0)), "niceness": os.nice(0),
                           "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="pflalign-many-") as tmp:
         for name, config in configs.items():
             print(f"{name} ...", flush=True)
-            report["runs"][name] = measure(name, config, Path(tmp))
+            flower = args.only == "flower"
+            report["runs"][name] = (measure_flower if flower else measure)(name, config, Path(tmp))
             r = report["runs"][name]
-            print(f"{name}: peak RSS {r['peak_rss_gb']:.2f} GB, {r['seconds_per_round']:.1f} s/round, "
-                  f"wall {r['wall_s']:.0f} s", flush=True)
+            print(f"{name}: peak RSS {r['peak_tree_rss_gb' if flower else 'peak_rss_gb']:.2f} GB, "
+                  f"{r['seconds_per_round']:.1f} s/round, wall {r['wall_s']:.0f} s", flush=True)
     finish(report, args.out)
 
 
@@ -189,7 +294,14 @@ def cpu_from_round_2(run: dict) -> float:
 def finish(report: dict, out: Path) -> None:
     """The ratios against the targets, the flatness of memory, and the JSON file."""
     runs = report["runs"]
-    if "four" in runs and "hundred" in runs:
+    if report.get("section") == "flower" and "four" in runs and "hundred" in runs:
+        report["ratios"] = {
+            "peak_tree_rss_hundred_over_four": runs["hundred"]["peak_tree_rss_gb"] / runs["four"]["peak_tree_rss_gb"],
+            "seconds_per_round_hundred_over_four": runs["hundred"]["seconds_per_round"] / runs["four"]["seconds_per_round"],
+            "config_bytes_per_message_hundred_minus_four": runs["hundred"]["config_bytes_per_message"]
+            - runs["four"]["config_bytes_per_message"],
+        }
+    elif "four" in runs and "hundred" in runs:
         report["ratios"] = {
             "peak_rss_hundred_over_four": runs["hundred"]["peak_rss_gb"] / runs["four"]["peak_rss_gb"],
             "seconds_per_round_hundred_over_four": runs["hundred"]["seconds_per_round"] / runs["four"]["seconds_per_round"],
