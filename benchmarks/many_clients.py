@@ -213,7 +213,7 @@ def measure_flower(name: str, config: dict, work: Path) -> dict:
     from pflalign.flower.cluster import Cluster
 
     root, n = work / name, config["data"]["num_clients"]
-    cluster = Cluster(root, REPO, clients=n, simulation=True, client_cpus=1, ray_cpus=1,
+    cluster = Cluster(root, REPO, clients=n, simulation=True, client_cpus=1, runtime_cpus=1,
                       env={"PFLALIGN_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1",
                            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])})
     out, peak, peak_at, processes = root / "out", 0, {}, set()
