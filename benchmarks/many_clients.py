@@ -31,9 +31,10 @@ it). Measured: peak RSS from ``os.wait4`` (the child's ``ru_maxrss``), RSS at ea
 ms), seconds per round from metrics.jsonl's ``round`` lines, the size of the run folder's
 checkpoint and client files. A Flower run is a SuperLink with ``--simulation`` and ``flwr
 run`` (`pflalign.flower.cluster`); its peak RSS is the largest sum, over one poll every 0.5 s,
-of the RSS of every process of the run's tree (SuperLink, SuperExec, ServerApp, the simulation
+of the RSS of every process of the run's tree (polled every 0.25 s; SuperLink, SuperExec, ServerApp, the simulation
 process, Ray's processes and actors; pages shared between processes count once per process),
-seconds per round again from metrics.jsonl, and the bytes of a training message's
+seconds per round again from metrics.jsonl, the tree's CPU seconds (user + system, every
+process, polled every 0.25 s) between round lines from round 2 on, and the bytes of a training message's
 configuration record (what the ServerApp sends besides the tensors) at each size.
 """
 
@@ -161,6 +162,7 @@ def measure(name: str, config: dict, work: Path) -> dict:
     return {
         "config": config, "wall_s": wall, "peak_rss_gb": usage.ru_maxrss / 1e6,
         "round_seconds": seconds, "seconds_per_round": sum(seconds) / len(seconds),
+        "seconds_per_round_rounds_2_on": mean(seconds[1:]),  # round 1 also loads the model in the actor
         # CPU seconds between round lines from round 2 on (each includes the previous round's
         # checkpoint save); polled every 50 ms
         "round_cpu_seconds": round_cpu, "cpu_seconds_per_round": sum(round_cpu) / len(round_cpu) if round_cpu else None,
@@ -176,9 +178,9 @@ def measure(name: str, config: dict, work: Path) -> dict:
     }
 
 
-def tree_rss(procs) -> dict[str, int]:
+def tree_rss(procs, cpu: dict[int, float] | None = None) -> dict[str, int]:
     """RSS in bytes of every live process of a `Processes` tree (those it started and theirs), by
-    "name pid"."""
+    "name pid"; `cpu`: updated with each live process's CPU seconds (user + system) so far."""
     import psutil
 
     procs.track()
@@ -192,6 +194,9 @@ def tree_rss(procs) -> dict[str, int]:
     for p in procs.seen.values():
         try:
             rss[f"{p.name()} {p.pid}"] = p.memory_info().rss
+            if cpu is not None:
+                times = p.cpu_times()
+                cpu[p.pid] = times.user + times.system
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             pass
     return rss
@@ -217,16 +222,22 @@ def measure_flower(name: str, config: dict, work: Path) -> dict:
                       env={"PFLALIGN_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1",
                            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])})
     out, peak, peak_at, processes = root / "out", 0, {}, set()
+    cpu, seen, round_end_cpu = {}, 0, []  # pid → CPU seconds (a process's last reading once it is gone)
+    metrics = out / "metrics.jsonl"
     try:
         tic = time.monotonic()
         cluster.start_link()
         cluster.flwr_run({"set": json.dumps(config), "out": str(out), "client-dir": str(root / "clients")}, "run")
         while cluster.procs["run"].poll() is None:
-            rss = tree_rss(cluster)
+            rss = tree_rss(cluster, cpu)
             processes.update(rss)
             if sum(rss.values()) > peak:
                 peak, peak_at = sum(rss.values()), rss
-            time.sleep(0.5)
+            rounds = metrics.read_text().count('"event": "round"') if metrics.exists() else 0
+            if rounds > seen:  # the tree's CPU seconds when a round's line appears (written after its checkpoint)
+                round_end_cpu += [sum(cpu.values())] * (rounds - seen)
+                seen = rounds
+            time.sleep(0.25)
         wall = time.monotonic() - tic
         log = cluster.finish("run")
     finally:
@@ -242,6 +253,11 @@ def measure_flower(name: str, config: dict, work: Path) -> dict:
         "peak_tree_rss_by_process_mb": {k: round(v / 1e6, 1) for k, v in sorted(peak_at.items(), key=lambda kv: -kv[1])},
         "processes_seen": len(processes),
         "round_seconds": seconds, "seconds_per_round": sum(seconds) / len(seconds),
+        "seconds_per_round_rounds_2_on": mean(seconds[1:]),  # round 1 also loads the model in the actor
+        # CPU seconds of the whole tree between round lines, rounds 2 on (polled every 0.25 s):
+        # what a round costs, apart from how busy the shared machine is
+        "round_cpu_seconds_from_round_2": [b - a for a, b in zip(round_end_cpu, round_end_cpu[1:])],
+        "cpu_seconds_total": sum(cpu.values()),
         "participants_per_round": [len(r["clients"]) for r in rounds],
         "missing_per_round": [r.get("missing", []) for r in rounds],
         "tensor_bytes_per_message_down": [r["bytes_to_clients"] // len(r["clients"]) for r in rounds],
@@ -286,6 +302,10 @@ def main(argv=None) -> None:
     finish(report, args.out)
 
 
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def cpu_from_round_2(run: dict) -> float:
     later = run["round_cpu_seconds"][-(len(run["round_seconds"]) - 1):]
     return sum(later) / len(later)
@@ -298,6 +318,10 @@ def finish(report: dict, out: Path) -> None:
         report["ratios"] = {
             "peak_tree_rss_hundred_over_four": runs["hundred"]["peak_tree_rss_gb"] / runs["four"]["peak_tree_rss_gb"],
             "seconds_per_round_hundred_over_four": runs["hundred"]["seconds_per_round"] / runs["four"]["seconds_per_round"],
+            "seconds_per_round_rounds_2_on_hundred_over_four":
+                runs["hundred"]["seconds_per_round_rounds_2_on"] / runs["four"]["seconds_per_round_rounds_2_on"],
+            "cpu_seconds_per_round_rounds_2_on_hundred_over_four":
+                mean(runs["hundred"]["round_cpu_seconds_from_round_2"]) / mean(runs["four"]["round_cpu_seconds_from_round_2"]),
             "config_bytes_per_message_hundred_minus_four": runs["hundred"]["config_bytes_per_message"]
             - runs["four"]["config_bytes_per_message"],
         }

@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import Callable
 
 from . import checkpoint as ckpt
 from .config import RunConfig
@@ -164,10 +165,11 @@ def encode(share: ClientShare, tokenizer, cfg: RunConfig) -> list[Encoded]:
 
 
 def client_data(cfg: RunConfig, tokenizer, k: int, data_dir: str | None = None,
-                share: ClientShare | None = None) -> tuple[ClientShare, list[Encoded]]:
+                share: ClientShare | Callable[[], ClientShare] | None = None) -> tuple[ClientShare, list[Encoded]]:
     """Client k's share and its training examples' token ids: from the cache, else loaded
-    (`share` when the caller has it already; else client k's alone, `client_shares(..., which=[k])`)
-    and tokenized, then cached. `data_dir` None: ``data.dir``."""
+    (`share` when the caller has it already, or the function that makes it, called only on a
+    miss; else client k's alone, `client_shares(..., which=[k])`) and tokenized, then cached.
+    `data_dir` None: ``data.dir``."""
     data_dir = cfg.data.dir if data_dir is None else data_dir
     key = cache_key(cfg, tokenizer, k, data_dir)
     path = entry_path(key) if key is not None else None
@@ -175,6 +177,8 @@ def client_data(cfg: RunConfig, tokenizer, k: int, data_dir: str | None = None,
         return hit
     if share is None:
         (share,) = client_shares(cfg, data_dir, which=[k])
+    elif callable(share):
+        share = share()
     encoded = encode(share, tokenizer, cfg)
     if path is not None:
         try:

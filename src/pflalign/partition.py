@@ -116,17 +116,21 @@ def client_shares_described(cfg: RunConfig, data_dir: str | None = None,
     data_dir = cfg.data.dir if data_dir is None else data_dir
     if uses_partitioner(cfg):
         shares, info = partitioned(cfg, data_dir)
-        if which is not None:
-            absent = [k for k in which if not 0 <= k < len(shares)]
-            if absent:
-                raise UserError(f"there is no client {absent[0]}: the partition makes {len(shares)} clients (0 to "
-                                f"{len(shares) - 1})")
-            shares = [shares[k] for k in which]
+        shares = shares if which is None else select(shares, which)
     else:
         shares, info = PARTITIONERS["category"](cfg, data_dir, which), None
     if cfg.data.validation is not None:
         shares = [hold_out_validation(s, cfg.data.validation, cfg.data.split_seed) for s in shares]
     return shares, info
+
+
+def select(shares: list[ClientShare], which: list[int]) -> list[ClientShare]:
+    """The clients `which` (in that order) of a partition's `shares`; one that is not there is a `UserError`."""
+    absent = [k for k in which if not 0 <= k < len(shares)]
+    if absent:
+        raise UserError(f"there is no client {absent[0]}: the partition makes {len(shares)} clients (0 to "
+                        f"{len(shares) - 1})")
+    return [shares[k] for k in which]
 
 
 def client_shares(cfg: RunConfig, data_dir: str | None = None, which: list[int] | None = None) -> list[ClientShare]:

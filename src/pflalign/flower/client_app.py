@@ -44,7 +44,9 @@ client's tokenized data are built once and reused across messages. Across
 processes (the Deployment Engine starts one per message) they come from the
 host's caches: the model's de-quantized safetensors copy, memory-mapped
 (`pflalign.model_cache`), and this client's examples with their token ids
-(`pflalign.data_cache`); a process loads client k's data alone. Its first
+(`pflalign.data_cache`); on a miss a process loads client k's category alone,
+or makes the partition once (it needs the whole table) and keeps it for
+the other clients it serves. Its first
 train message logs how long after the process started its first local step
 began, and the CPU seconds it had used by then (benchmarks/README.md has the
 figures).
@@ -136,7 +138,7 @@ def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]
     from ..client import Client, make_client
     from ..data_cache import client_data
     from ..model import build_model
-    from ..partition import names_from_config
+    from ..partition import client_shares, names_from_config, select, uses_partitioner
     from . import quiet_progress_bars, wire
 
     k, n = partition(context)
@@ -150,8 +152,14 @@ def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]
     data_dir = context.node_config.get("data-dir") or cfg.data.dir
     data_key = repr((model_key, k, cfg.data, data_dir, cfg.batch_size, cfg.max_seq_len))
 
-    def load():  # client k's data alone, tokenized once per host (data_cache.py)
-        share, encoded = client_data(cfg, lm.tokenizer, k, data_dir)
+    def federation():
+        # a partition is made from the whole table (making it costs O(N)): once per process for
+        # every client the process serves (a Simulation Engine actor serves many), never sent
+        return _cached(repr(("federation", cfg.data, data_dir)), lambda: client_shares(cfg, data_dir))
+
+    def load():  # client k's data, tokenized once per host (data_cache.py): on a hit nothing is read
+        share = (lambda: select(federation(), [k])[0]) if uses_partitioner(cfg) else None  # else its category alone
+        share, encoded = client_data(cfg, lm.tokenizer, k, data_dir, share)
         return make_client(k, share, lm.tokenizer, cfg, state={}, encoded=encoded)
 
     client = _cached(data_key, load)
