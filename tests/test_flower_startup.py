@@ -1,6 +1,7 @@
 """What a Flower app process pays before it works: a ClientApp answering a ``query`` imports
 neither torch nor transformers (client_app.py), and the ServerApp finds replies every
-`grid.PULL_INTERVAL` seconds through the grid's own push/pull (grid.py)."""
+`grid.PULL_INTERVAL` seconds through the grid's own push/pull (grid.py). And which pflalign
+the processes of a local cluster import (cluster.py)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,16 @@ def test_prompt_wraps_only_the_deployment_engines_grid():
     assert prompt(fake) is fake  # e.g. the Simulation Engine's InMemoryGrid, which pulls every 0.1 s
     wrapped = prompt(HttpGrid(token="t"))
     assert isinstance(wrapped, PromptGrid) and wrapped.interval == grid_mod.PULL_INTERVAL < 3
+
+
+def test_cluster_processes_import_the_callers_pflalign(tmp_path, monkeypatch):
+    """`PYTHONPATH=src` names the caller's src; the cluster's processes run in their own folder,
+    where it would name another (or none, and the installed pflalign would run unnoticed)."""
+    from pflalign.flower.cluster import Processes
+
+    monkeypatch.chdir(tmp_path)
+    procs = Processes(tmp_path / "run", env={"PYTHONPATH": os.pathsep.join(["src", "", "/abs/lib"])})
+    assert procs.env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "src"), "", "/abs/lib"]
+    out = subprocess.run([sys.executable, "-c", "import sys; print(sys.path[1])"], env=procs.env, cwd=procs.root,
+                         capture_output=True, text=True).stdout.strip()
+    assert out == str(tmp_path / "src")

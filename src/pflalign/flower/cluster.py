@@ -78,6 +78,9 @@ class Processes:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, **ENV, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
+        if self.env.get("PYTHONPATH"):  # the processes run in `root`: `PYTHONPATH=src` would name root/src there
+            self.env["PYTHONPATH"] = os.pathsep.join(str(Path(entry).absolute()) if entry else entry
+                                                     for entry in self.env["PYTHONPATH"].split(os.pathsep))
         self.procs: dict[str, subprocess.Popen] = {}
         self.seen: dict[int, psutil.Process] = {}  # every process started, with the ones they started
         self.ports: list[int] = []
