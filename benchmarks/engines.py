@@ -62,11 +62,11 @@ Measured, per engine (wall clock, ``time.monotonic``):
 * ``max_abs_diff``: the largest |difference| between the final global adapter
   (``checkpoint.pt``'s ``global``) and the first engine's (the in-process one by
   default); ``same`` when the names match and it is at most 1e-6 (the Flower
-  tests' tolerance). A run that differs makes the exit status 1.
-
+  tests' tolerance). A run that differs makes the exit status 1;
 * ``cpu_by_process_kind`` (in ``machine_load``): the CPU seconds of the run's
   processes by kind (SuperLink, SuperNodes, SuperExecs, ClientApp and ServerApp
   processes, Ray's, the in-process run), read every second (`ProcessMeter`);
+  on a shared machine these, not the wall seconds, compare the engines' work;
 * ``identical``: whether that largest difference is exactly 0 (issue 23's target).
 
 Every engine's processes (and those they start: SuperExec, app processes, Ray)
@@ -87,7 +87,9 @@ set in this environment is overridden. The in-process run uses mimalloc (the
 ``pflalign`` command re-executes itself under it), Flower's processes the system
 allocator (``allocator`` in ``threads``). The Flower processes import pflalign from
 this environment (as the installed app does), not from the app bundle that ``flwr
-run`` sends.
+run`` sends (`Processes` makes a relative ``PYTHONPATH`` absolute, since they run
+in the run's folders). ``FLWR_LOG_LEVEL=DEBUG`` with ``--keep`` lets
+``deployment_timeline.py`` split a Deployment run's messages into their steps.
 """
 
 from __future__ import annotations
