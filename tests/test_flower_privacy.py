@@ -474,3 +474,27 @@ def test_what_of_a_clients_state_reaches_the_server(tmp_path):
             visible = {n for n, _ in needles(personal)}
             expected = {"all": visible, "none": set(), "A": {n for n in visible if "lora_A" in n}}[which]
             assert personal_found == expected, (name, k, sorted(personal_found ^ expected)[:3])
+
+
+def test_a_resumed_run_keeps_its_privacy_options(tmp_path):
+    """The ServerApp's checkpoint holds the privacy options, they survive the checkpoint file, and a
+    resume with others is refused in one line naming what changed (an older checkpoint without them
+    resumes as before)."""
+    from types import SimpleNamespace
+
+    from pflalign.flower.server_app import checkpoint
+
+    started = privacy.from_run_config({"dp-clipping-norm": 1.0, "dp-noise-multiplier": 0.5})
+    strategy = SimpleNamespace(global_params={"w": torch.ones(2)}, server_state={}, experiment="e",
+                               rounds_done={0: 1}, noise_std={0: 0.125}, privacy=started)
+    ckpt.save_checkpoint(tmp_path / "c.pt", checkpoint(strategy))
+    saved = ckpt.load_checkpoint(tmp_path / "c.pt")["flower"]["privacy"]
+
+    privacy.check_resume(saved, privacy.from_run_config({"dp-clipping-norm": 1.0, "dp-noise-multiplier": 0.5}))
+    privacy.check_resume(None, privacy.from_run_config({}))
+    with pytest.raises(UserError) as err:
+        privacy.check_resume(saved, privacy.from_run_config({}))  # resumed without the DP keys
+    assert "noise_multiplier 0.5 -> 0.0" in str(err.value) and "clipping_norm 1.0 -> 0.0" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="noise_multiplier 0.5 -> 2.0"):
+        privacy.check_resume(saved, privacy.from_run_config({"dp-clipping-norm": 1.0, "dp-noise-multiplier": 2.0}))

@@ -138,6 +138,18 @@ def from_run_config(rc: dict) -> Privacy:
     return privacy
 
 
+def check_resume(saved: dict | None, privacy: Privacy) -> None:
+    """A resumed run keeps the privacy options it started with: other noise or clipping would
+    mix two mechanisms in one model and make the reported (ε, δ) wrong. `saved`: the checkpoint's
+    ``asdict(Privacy)`` (None for a checkpoint from before it was saved: not checked)."""
+    if saved is None or Privacy(**saved) == privacy:
+        return
+    changed = ", ".join(f"{key} {saved[key]!r} -> {value!r}" for key, value in asdict(privacy).items()
+                        if saved[key] != value)
+    raise UserError(f"this run started with other privacy options ({changed}); resume it with the "
+                    "run config's dp-*/secagg* keys as they were")
+
+
 # ---- which methods --------------------------------------------------------------------------
 def why_not(method: Method, w0: Params, dp: bool) -> str | None:
     """Why `method` cannot run with secure aggregation (and, with `dp`, DP clipping), or None."""

@@ -26,6 +26,7 @@ clients' SuperNodes are back (with the same ``state-dir``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -81,6 +82,7 @@ def run(grid: Grid, rc: dict) -> dict:
         strategy.global_params, strategy.server_state = saved["global"], saved["server_state"]
         strategy.experiment, strategy.rounds_done = saved["flower"]["experiment"], saved["flower"]["rounds_done"]
         strategy.noise_std = saved["flower"].get("noise_std", {})
+        priv.check_resume(saved["flower"].get("privacy"), privacy)
     rec.open(cfg)
     if not rec.resuming:
         rec.save(0, checkpoint(strategy))  # resumable even if the first round fails
@@ -171,4 +173,4 @@ def checkpoint(strategy: MethodStrategy) -> dict:
     """The server's part of a run (the client states stay on the clients' hosts)."""
     return {"global": strategy.global_params, "server_state": strategy.server_state,
             "flower": {"experiment": strategy.experiment, "rounds_done": strategy.rounds_done,
-                       "noise_std": strategy.noise_std}}
+                       "noise_std": strategy.noise_std, "privacy": dataclasses.asdict(strategy.privacy)}}
