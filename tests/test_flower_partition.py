@@ -66,17 +66,38 @@ def context(k: int, n: int) -> Context:
 def test_a_clientapp_holds_exactly_its_in_process_share(tmp_path, monkeypatch, partition):
     monkeypatch.setenv("PFLALIGN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(client_app, "_CACHE", {})
+    monkeypatch.setattr(client_app, "_CLIENTS", client_app.OrderedDict())
     cfg = build_config(None, partition_config(rows_file(tmp_path), partition))
     fed = Federation(cfg, progress=False)
     assert [c.name for c in fed.clients] == wire.client_names(cfg) == [f"client_00{k}" for k in range(4)]
     for load in ("computed", "from the data cache"):
         client_app._CACHE.clear()  # a fresh ClientApp process
+        client_app._CLIENTS.clear()
         for k, theirs in enumerate(fed.clients):
             _, mine = client_app.build_client(cfg, context(k, 4))
             assert (mine.id, mine.name) == (k, theirs.name), load
             assert mine.data.train == theirs.data.train and mine.data.test == theirs.data.test, load
             assert mine.train == theirs.train, load  # the token ids too
     assert len(list((tmp_path / "cache" / "tokenized").iterdir())) == 4
+
+
+def test_a_process_keeps_only_its_most_recent_clients_data(tmp_path, monkeypatch):
+    """A Simulation Engine actor serves any of N clients: it holds the data of the
+    MAX_CLIENTS_PER_PROCESS it served last, not of all N, and one it dropped comes back equal."""
+    monkeypatch.setenv("PFLALIGN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(client_app, "_CACHE", {})
+    monkeypatch.setattr(client_app, "_CLIENTS", client_app.OrderedDict())
+    monkeypatch.setattr(client_app, "MAX_CLIENTS_PER_PROCESS", 3)
+    cfg = build_config(None, partition_config(rows_file(tmp_path), {**IID, "num_clients": 6}))
+    first = {}
+    for k in (0, 1, 2, 3, 1, 4):
+        _, client = client_app.build_client(cfg, context(k, 6))
+        first.setdefault(k, client)
+    held = sorted(c.id for c in client_app._CLIENTS.values())
+    assert held == [1, 3, 4]  # 1 was used again after 2 and 3, so 0 and 2 went
+    _, again = client_app.build_client(cfg, context(0, 6))
+    assert again.train == first[0].train and again.data.test == first[0].data.test
+    assert [c.id for c in client_app._CLIENTS.values()] == [1, 4, 0]  # least recently served (3) went
 
 
 def test_a_clientapp_that_does_not_fit_the_run_is_refused(tmp_path, monkeypatch):

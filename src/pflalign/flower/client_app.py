@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -106,7 +107,12 @@ def privacy_mods(msg: Message, context: Context, call_next) -> Message:
 
 
 app = ClientApp(mods=[privacy_mods])
-_CACHE: dict[str, object] = {}  # model and data, per process (reused by the Simulation Engine's actors)
+_CACHE: dict[str, object] = {}  # model, w^0 and partition, per process (reused by the Simulation Engine's actors)
+# Clients' tokenized data, per process: the most recently served ones only. A Simulation Engine
+# actor serves any of N clients, so keeping all would grow with N; one evicted is reloaded from
+# the host's tokenized-data cache (data_cache.py), which costs a file read.
+MAX_CLIENTS_PER_PROCESS = 8
+_CLIENTS: OrderedDict[str, object] = OrderedDict()
 
 
 # ---- which client, where ----------------------------------------------------------
@@ -162,7 +168,13 @@ def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]
         share, encoded = client_data(cfg, lm.tokenizer, k, data_dir, share)
         return make_client(k, share, lm.tokenizer, cfg, state={}, encoded=encoded)
 
-    client = _cached(data_key, load)
+    if data_key in _CLIENTS:
+        _CLIENTS.move_to_end(data_key)
+    else:
+        _CLIENTS[data_key] = load()
+        while len(_CLIENTS) > MAX_CLIENTS_PER_PROCESS:
+            _CLIENTS.popitem(last=False)
+    client = _CLIENTS[data_key]
     return lm, Client(client.id, client.data, client.train, state={})  # fresh state, shared data
 
 
