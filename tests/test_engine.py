@@ -189,3 +189,18 @@ def test_divergence_names_client_round_step_and_keeps_last_checkpoint(tmp_path):
         run(None, out, resume=True, progress=False)
     assert ((out / ckpt.CHECKPOINT).read_bytes(), (out / ckpt.METRICS).read_bytes()) == before  # as after round 1
     assert not (out / ckpt.RESULTS).exists()
+
+
+def test_results_split_the_evaluation_time_by_model(tmp_path, monkeypatch):
+    """results.json says where the final evaluation's seconds went; the base model's generations
+    come from the cache the second time, so its share drops to almost nothing."""
+    monkeypatch.setenv("PFLALIGN_CACHE", str(tmp_path / "cache"))
+    cfg = tiny_config(method="fedavg", rounds=1)
+    by_model = []
+    for out in ("a", "b"):
+        run(cfg, tmp_path / out, progress=False)
+        results = json.loads((tmp_path / out / ckpt.RESULTS).read_text())
+        by_model.append(results["seconds_eval_by_model"])
+        assert set(by_model[-1]) == {"personalized", "global", "base"}
+        assert 0 <= sum(by_model[-1].values()) <= results["seconds_eval"]
+    assert by_model[1]["base"] < by_model[0]["base"]

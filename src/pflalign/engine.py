@@ -223,10 +223,15 @@ class Federation:
     def evaluate(self) -> tuple[dict, list[dict]]:
         cfg = self.cfg
         ids = self.eval_ids
+        seconds, tic = {}, time.perf_counter()  # where the evaluation's time goes (results.json)
         personal_scores, personal_out = self._score(self.personalized_of, "personalized")
+        seconds["personalized"], tic = time.perf_counter() - tic, time.perf_counter()
         global_scores, global_out = self._score(lambda k: self.global_params, "global")
+        seconds["global"], tic = time.perf_counter() - tic, time.perf_counter()
         none = [None] * len(ids)
         base_scores, base_out = self._score(lambda k: None, "base") if cfg.eval.base_model else (none, none)
+        if cfg.eval.base_model:
+            seconds["base"] = time.perf_counter() - tic  # about 0 when its generations were cached
         rows, predictions = [], []
         for i, k in enumerate(ids):
             c = self.clients[k]
@@ -238,7 +243,9 @@ class Federation:
                     "personalized": personal_out[i][j], "global": global_out[i][j],
                     "base": base_out[i][j] if base_out[i] is not None else None,
                 })
-        return results_summary(cfg, rows, self.truncated, self.data_info, len(self.clients)), predictions
+        summary = results_summary(cfg, rows, self.truncated, self.data_info, len(self.clients))
+        summary["seconds_eval_by_model"] = seconds
+        return summary, predictions
 
     def adapters_as_evaluated(self) -> "_Adapters":
         """{"global": w, name: personalized} of the scored clients, each loaded only when written."""
