@@ -223,15 +223,18 @@ class Federation:
     def evaluate(self) -> tuple[dict, list[dict]]:
         cfg = self.cfg
         ids = self.eval_ids
-        seconds, tic = {}, time.perf_counter()  # where the evaluation's time goes (results.json)
-        personal_scores, personal_out = self._score(self.personalized_of, "personalized")
-        seconds["personalized"], tic = time.perf_counter() - tic, time.perf_counter()
-        global_scores, global_out = self._score(lambda k: self.global_params, "global")
-        seconds["global"], tic = time.perf_counter() - tic, time.perf_counter()
+        seconds = {}  # where the evaluation's time goes (results.json); base about 0 when cached
+
+        def timed(adapter_of, label: str):
+            tic = time.perf_counter()
+            scored = self._score(adapter_of, label)
+            seconds[label] = time.perf_counter() - tic
+            return scored
+
+        personal_scores, personal_out = timed(self.personalized_of, "personalized")
+        global_scores, global_out = timed(lambda k: self.global_params, "global")
         none = [None] * len(ids)
-        base_scores, base_out = self._score(lambda k: None, "base") if cfg.eval.base_model else (none, none)
-        if cfg.eval.base_model:
-            seconds["base"] = time.perf_counter() - tic  # about 0 when its generations were cached
+        base_scores, base_out = timed(lambda k: None, "base") if cfg.eval.base_model else (none, none)
         rows, predictions = [], []
         for i, k in enumerate(ids):
             c = self.clients[k]
