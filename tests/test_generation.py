@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pflalign.data import Example
-from pflalign.evaluate import _eos_ids, generate, greedy_batch
+from pflalign.evaluate import _eos_ids, generate, greedy_ids
 from pflalign.prompts import encode_prompt
 
 PROMPTS = [Example(p, "") for p in ("Hi", "Sort these numbers: 5, 3, 9, 1", "Name a colour.",
@@ -109,9 +109,10 @@ def _generate_ids(lm, prompts, max_new_tokens):
     return [row[: next((k + 1 for k, t in enumerate(row) if t in eos), len(row))] for row in rows]
 
 
-def _loop_ids(lm, prompts, max_new_tokens):
-    ids, mask = _left_pad(prompts, lm.tokenizer.pad_token_id)
-    return greedy_batch(lm.model, ids, mask, _eos_ids(lm.model, lm.tokenizer), max_new_tokens)
+def _loop_ids(lm, prompts, max_new_tokens, batch_size=None, refill_at=0):
+    """`greedy_ids` on `prompts`: one group of them all unless `batch_size` is given."""
+    return greedy_ids(lm.model, prompts, lm.tokenizer.pad_token_id, _eos_ids(lm.model, lm.tokenizer), max_new_tokens,
+                      batch_size or len(prompts), refill_at=refill_at)
 
 
 def _in_batches(fn, lm, prompts, max_new_tokens, batch_size):
@@ -154,5 +155,49 @@ def test_rows_that_end_at_different_steps_leave_the_batch_without_changing_the_o
         texts = _old_generate(lm.model, lm.tokenizer, prompts, 12, 64)
         for batch_size in (1, 3, 64):
             assert generate(lm.model, lm.tokenizer, prompts, 12, batch_size=batch_size, progress=False) == texts
+    finally:
+        config.eos_token_id = saved
+
+
+class _CountedForward:
+    """Counts the model's decode steps (forward calls with one input position)."""
+
+    def __init__(self, model):
+        self.model, self.original, self.decode_steps = model, model.forward, 0
+        model.forward = self
+
+    def __call__(self, *args, **kwargs):
+        self.decode_steps += kwargs["input_ids"].shape[1] == 1
+        return self.original(*args, **kwargs)
+
+    def close(self):
+        self.model.forward = self.original
+
+
+def test_the_next_group_joins_the_rows_left_without_changing_any_answer(trained_lm):
+    """Refilling: when half a group or less is still running, the next group is prefilled and
+    decoded together with it (caches left-padded to one width). The answers stay those of one
+    prompt at a time, and it takes fewer decode steps than finishing each group alone."""
+    lm = trained_lm
+    prompts = _prompts(lm)
+    config = lm.model.generation_config
+    saved = config.eos_token_id
+    config.eos_token_id = [lm.tokenizer.eos_token_id, *_stoppers(_in_batches(_loop_ids, lm, prompts, 12, 1))]
+    try:
+        one_at_a_time = _in_batches(_loop_ids, lm, prompts, 12, 1)
+        assert len({len(a) for a in one_at_a_time}) >= 3  # rows end at different steps: groups shrink
+        counter = _CountedForward(lm.model)
+        try:
+            steps = {}
+            for refill_at in (0, 1, 2):
+                before = counter.decode_steps
+                assert _loop_ids(lm, prompts, 12, batch_size=2, refill_at=refill_at) == one_at_a_time
+                steps[refill_at] = counter.decode_steps - before
+        finally:
+            counter.close()
+        assert steps[0] == sum(max(len(a) for a in one_at_a_time[s:s + 2]) - 1 for s in range(0, len(prompts), 2))
+        assert steps[2] < steps[0]  # the groups really were joined
+        texts = _old_generate(lm.model, lm.tokenizer, prompts, 12, 2)
+        assert generate(lm.model, lm.tokenizer, prompts, 12, batch_size=2, progress=False) == texts
     finally:
         config.eos_token_id = saved

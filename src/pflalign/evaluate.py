@@ -1,4 +1,5 @@
-"""Scoring: batched greedy generation with a KV cache (finished rows leave the batch), and ROUGE-L.
+"""Scoring: batched greedy generation with a KV cache (finished rows leave the batch, the next
+prompts join it when few are left), and ROUGE-L.
 
 ROUGE-L is the F-measure of `rouge-score`'s ``rougeL`` with Porter stemming,
 ×100, averaged over a client's test examples — the paper's metric.
@@ -36,40 +37,114 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-@torch.no_grad()
-def greedy_batch(model, ids: torch.Tensor, mask: torch.Tensor, eos: list[int], max_new_tokens: int) -> list[list[int]]:
-    """The token ids `model.generate` picks greedily for a left-padded batch, EOS included.
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """`t` widened to `width` along `dim` by zeros in front."""
+    extra = width - t.shape[dim]
+    if extra == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
-    Unlike `model.generate`, a row leaves the batch as soon as it ends (an EOS token):
-    its cache, mask and positions are dropped, so the remaining rows' decode
-    steps stop paying for it.
+
+class _Rows:
+    """The rows being decoded: which prompt each is, their KV cache, last token and its
+    position, and the padding mask (None: no padding, as `generate` passes it)."""
+
+    def __init__(self, prompts: list[int], cache, tokens: torch.Tensor, positions: torch.Tensor, mask):
+        self.prompts, self.cache, self.tokens, self.positions, self.mask = prompts, cache, tokens, positions, mask
+
+    def width(self) -> int:
+        return self.cache.get_seq_length()
+
+    def keep(self, kept: list[int]) -> None:
+        """Drop every row not in `kept` (batch positions): its cache, mask and position."""
+        index = torch.tensor(kept, device=self.tokens.device)
+        self.cache.batch_select_indices(index)
+        self.tokens, self.positions = self.tokens[index], self.positions[index]
+        self.mask = None if self.mask is None else self.mask[index]
+        self.prompts = [self.prompts[k] for k in kept]
+
+    def join(self, other: "_Rows") -> None:
+        """Append `other`'s rows, both caches left-padded to the longer one (masked)."""
+        width = max(self.width(), other.width())
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
+            mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
+        masks = [rows.mask if rows.mask is not None else rows.tokens.new_ones(len(rows.prompts), rows.width())
+                 for rows in (self, other)]
+        self.mask = torch.cat([_left_pad(m, width, 1) for m in masks])
+        self.tokens = torch.cat([self.tokens, other.tokens])
+        self.positions = torch.cat([self.positions, other.positions])
+        self.prompts = self.prompts + other.prompts
+
+
+@torch.no_grad()
+def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max_new_tokens: int,
+               batch_size: int, refill_at: int | None = None, on_done=lambda n: None) -> list[list[int]]:
+    """The token ids `model.generate` picks greedily for each prompt, EOS included.
+
+    Prompts are prefilled `batch_size` at a time, in the given order, left-padded. Unlike
+    `model.generate`, a row leaves the batch as soon as it ends (an EOS token or
+    `max_new_tokens`): its cache, mask and position are dropped, so the other rows' decode
+    steps stop paying for it. And when no more than `refill_at` rows are left (default
+    half a batch; 0: never) the next group of prompts is prefilled and joins them, so the
+    few long answers of a group no longer take a decode step each on their own: a step
+    costs about as much for one row as for dozens (it reads every weight once).
+    `on_done(n)` is told of every n prompts finished (progress bars).
     """
-    alive = list(range(len(ids)))  # batch position -> row of `ids`
-    answers: list[list[int]] = [[] for _ in alive]
-    # Positions as generate derives them: count of real tokens so far, 0 on pads.
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    # generate drops an all-ones mask (attention then takes its unpadded, causal path): do the same.
-    mask = None if bool(mask.all()) else mask
-    cache, inputs = None, ids
-    for step in range(max_new_tokens):
-        out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)  # logits of the last position only
-        cache, tokens = out.past_key_values, out.logits[:, -1].argmax(-1)
-        picked = tokens.tolist()
-        for row, token in zip(alive, picked):
-            answers[row].append(token)
-        keep = [k for k, token in enumerate(picked) if token not in eos]
-        if not keep or step == max_new_tokens - 1:
-            break
-        if len(keep) < len(alive):  # shrink every per-row tensor to the rows still running
-            index = torch.tensor(keep, device=tokens.device)
-            cache.batch_select_indices(index)
-            tokens, positions = tokens[index], positions[index]
-            mask = None if mask is None else mask[index]
-            alive = [alive[k] for k in keep]
-        inputs, positions = tokens[:, None], positions[:, -1:] + 1
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=-1)
+    refill_at = batch_size // 2 if refill_at is None else refill_at
+    stop = set(eos)
+    groups = [list(range(s, min(s + batch_size, len(prompts)))) for s in range(0, len(prompts), batch_size)]
+    answers: list[list[int]] = [[] for _ in prompts]
+    device = next(model.parameters()).device
+
+    def took(rows: _Rows) -> _Rows | None:
+        """Each row's new token into its answer; the rows that ended leave (None: none left)."""
+        kept = []
+        for k, (i, token) in enumerate(zip(rows.prompts, rows.tokens.tolist())):
+            answers[i].append(token)
+            if token not in stop and len(answers[i]) < max_new_tokens:
+                kept.append(k)
+        if len(kept) < len(rows.prompts):
+            on_done(len(rows.prompts) - len(kept))
+            if not kept:
+                return None
+            rows.keep(kept)
+        return rows
+
+    running: _Rows | None = None
+    while groups or running is not None:
+        while groups and (running is None or len(running.prompts) <= refill_at):
+            group = groups.pop(0)
+            width = max(len(prompts[i]) for i in group)
+            ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(group), width), dtype=torch.long)
+            for row, i in enumerate(group):
+                ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]) :] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            # positions as generate derives them: count of real tokens so far, 0 on pads
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+            # generate drops an all-ones mask (attention then takes its unpadded, causal path): so do we
+            mask = None if bool(mask.all()) else mask
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        logits_to_keep=1)  # logits of the last position only
+            fresh = took(_Rows(group, out.past_key_values, out.logits[:, -1].argmax(-1), positions[:, -1:], mask))
+            if fresh is not None and running is not None:
+                running.join(fresh)
+            elif fresh is not None:
+                running = fresh
+        if running is None:
+            continue
+        rows = running
+        rows.positions = rows.positions + 1
+        if rows.mask is not None:
+            rows.mask = torch.cat([rows.mask, rows.mask.new_ones(len(rows.prompts), 1)], dim=-1)
+        out = model(input_ids=rows.tokens[:, None], attention_mask=rows.mask, position_ids=rows.positions,
+                    past_key_values=rows.cache, use_cache=True, logits_to_keep=1)
+        rows.cache, rows.tokens = out.past_key_values, out.logits[:, -1].argmax(-1)
+        running = took(rows)
     return answers
 
 
@@ -77,28 +152,17 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
              desc: str = "generate", progress: bool = True) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded without special tokens.
 
-    Prompts are grouped by length (less padding), left-padded, and decoded
-    with the model's KV cache by `greedy_batch`, rows leaving as they end.
+    Prompts are grouped by length (less padding) and decoded with the model's KV cache
+    by `greedy_ids`: rows leave as they end, the next group joins when few are left.
     """
-    device = next(model.parameters()).device
-    eos = _eos_ids(model, tokenizer)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    outputs: list[str] = [""] * len(prompts)
     bar = tqdm(total=len(prompts), desc=desc, leave=False, disable=not progress, unit="ex")
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        width = max(len(prompts[i]) for i in chunk)
-        ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, i in enumerate(chunk):
-            p = prompts[i]
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-        answers = greedy_batch(model, ids.to(device), mask.to(device), eos, max_new_tokens)
-        for answer, i in zip(answers, chunk):
-            outputs[i] = tokenizer.decode(answer, skip_special_tokens=True).strip()
-        bar.update(len(chunk))
+    answers = greedy_ids(model, [prompts[i] for i in order], tokenizer.pad_token_id, _eos_ids(model, tokenizer),
+                         max_new_tokens, batch_size, on_done=bar.update)
     bar.close()
+    outputs: list[str] = [""] * len(prompts)
+    for i, answer in zip(order, answers):
+        outputs[i] = tokenizer.decode(answer, skip_special_tokens=True).strip()
     return outputs
 
 
