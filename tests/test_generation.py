@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pflalign.data import Example
+from pflalign import evaluate
 from pflalign.evaluate import _eos_ids, generate, greedy_ids
 from pflalign.prompts import encode_prompt
 
@@ -160,14 +161,14 @@ def test_rows_that_end_at_different_steps_leave_the_batch_without_changing_the_o
 
 
 class _CountedForward:
-    """Counts the model's decode steps (forward calls with one input position)."""
+    """Counts the model's decode steps (forward calls with one input position after a KV cache)."""
 
     def __init__(self, model):
         self.model, self.original, self.decode_steps = model, model.forward, 0
         model.forward = self
 
     def __call__(self, *args, **kwargs):
-        self.decode_steps += kwargs["input_ids"].shape[1] == 1
+        self.decode_steps += kwargs["input_ids"].shape[1] == 1 and kwargs.get("past_key_values") is not None
         return self.original(*args, **kwargs)
 
     def close(self):
@@ -201,3 +202,28 @@ def test_the_next_group_joins_the_rows_left_without_changing_any_answer(trained_
         assert generate(lm.model, lm.tokenizer, prompts, 12, batch_size=2, progress=False) == texts
     finally:
         config.eos_token_id = saved
+
+
+def test_the_prompts_shared_start_is_computed_once_without_changing_any_answer(trained_lm):
+    """Prompts that share their first tokens (a chat template's system prompt): those are
+    prefilled once and every group continues from a copy of their KV cache. The answers stay
+    `model.generate`'s, for groups of one, some and all prompts."""
+    lm = trained_lm
+    start = encode_prompt(lm.tokenizer, Example("You are a careful assistant who answers in few words.", ""), 256)[0]
+    prompts = [start + p for p in _prompts(lm)]
+    assert evaluate._shared_prefix(prompts) >= len(start) >= 8
+    assert evaluate._shared_prefix([[1, 2, 3], [1, 2]]) == 1  # each prompt keeps a token of its own
+    assert evaluate._shared_prefix([[1, 2, 3]]) == 0
+    reference = [a for p in prompts for a in _generate_ids(lm, [p], 12)]
+    prefills = []
+    original = lm.model.forward
+    lm.model.forward = lambda *a, **k: prefills.append(k["input_ids"].shape) or original(*a, **k)
+    try:
+        for batch_size in (1, 2, 64):
+            prefills.clear()
+            assert _loop_ids(lm, prompts, 12, batch_size=batch_size, refill_at=None) == reference
+            shared = evaluate._shared_prefix(prompts)
+            assert prefills[0] == (1, shared)  # the shared start, once
+            assert all(shape[1] <= max(map(len, prompts)) - shared for shape in prefills[1:])
+    finally:
+        lm.model.forward = original
