@@ -87,6 +87,7 @@ def test_training_changes_adapters_and_clients_personalize(tmp_path):
 
 
 def test_fedavg_weights_by_client_data_size(tmp_path, monkeypatch):
+    monkeypatch.setenv("PFLALIGN_CACHE", str(tmp_path / "cache"))  # the cut data stays out of the host's cache
     cfg = tiny_config(method="fedavg", rounds=1)
     fed = Federation(cfg, progress=False)
     fed.clients[0].data.train = fed.clients[0].data.train[:4]  # 4 vs 12 examples

@@ -92,6 +92,14 @@ def test_pflalign_state_changes_only_for_the_clients_that_trained():
 
 
 # ---- the engine: who trains, what the server is told, whose state changes --------------------
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """`sampled_federation` cuts the clients' data after the federation is made: tokenized, they
+    must not land in the host's cache under the uncut data's key (a later test would read 8
+    examples for key_value where there are 12)."""
+    monkeypatch.setenv("PFLALIGN_CACHE", str(tmp_path / "cache"))
+
+
 def sampled_federation(tmp_path, method: str):
     """Four synthetic clients of unequal sizes (4, 12, 8, 12), participation 0.5, 2 rounds."""
     cfg = build_config(None, {**json.loads(json.dumps(TINY)), "method": method, "participation": 0.5,

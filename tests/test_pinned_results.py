@@ -37,6 +37,7 @@ PINS = Path(__file__).with_name("pinned_results.json")
 WRITE = os.environ.get("PFLALIGN_PIN_WRITE") == "1"
 # fields that depend on the host or the clock, not on the numbers
 VOLATILE = {"seconds", "seconds_train_this_session", "seconds_eval", "seconds_eval_by_model", "memory_allocator",
+            "workers", "threads_per_worker",  # how it was computed, not what
             "experiment"}
 FLOWER_METHODS = ["pflalign", "scaffold", "fedsa-lora"]  # the stateful ones; pflalign with per-round scores
 

@@ -39,12 +39,14 @@ def config(preset: str | None = None, overrides: dict | None = None):
     return build_config(preset, nested)
 
 
-def run(cfg, out: str | Path, resume: bool = False, overwrite: bool = False, progress: bool = False) -> dict:
+def run(cfg, out: str | Path, resume: bool = False, overwrite: bool = False, progress: bool = False,
+        workers: int = 1) -> dict:
     """Run `cfg` into the folder `out` (as ``pflalign run``; `resume` continues an unfinished run
-    there with its saved config) and return its results (results.json's dict)."""
+    there with its saved config) and return its results (results.json's dict). `workers` > 1: a
+    round's clients train in that many one-thread processes (``--workers``)."""
     from .engine import run as run_engine
 
-    return run_engine(cfg, Path(out), resume=resume, overwrite=overwrite, progress=progress)
+    return run_engine(cfg, Path(out), resume=resume, overwrite=overwrite, progress=progress, workers=workers)
 
 
 @dataclass

@@ -47,13 +47,15 @@ def cmd_run(args) -> int:
         overrides.setdefault("data", {})["dir"] = args.data_dir
     if args.stop_after_rounds is not None and args.stop_after_rounds < 1:
         raise UserError(f"--stop-after-rounds must be >= 1, got {args.stop_after_rounds}")
+    if args.workers < 1:
+        raise UserError(f"--workers must be >= 1, got {args.workers}")
     if args.resume and (args.set or args.data_dir):
         raise UserError("--resume continues with the run's saved config; drop --set/--data-dir")
     cfg = None if args.resume else build_config(args.config, overrides)
     if args.no_progress:
         quiet_library_bars()
     results = run(cfg, Path(args.out), resume=args.resume, overwrite=args.overwrite,
-                  stop_after=args.stop_after_rounds, progress=not args.no_progress)
+                  stop_after=args.stop_after_rounds, progress=not args.no_progress, workers=args.workers)
     if results is None:
         print(f"stopped after the requested rounds; continue with: pflalign run --out {args.out} --resume")
         return 0
@@ -72,6 +74,8 @@ def cmd_sweep(args) -> int:
             seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
         except ValueError:
             raise UserError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
+    if args.workers < 1:
+        raise UserError(f"--workers must be >= 1, got {args.workers}")
     runs = plan_sweep(args.config, Path(args.out), parse_set(args.set or []), args.data_dir, seeds,
                       done=args.done or [])
     if args.dry_run:
@@ -85,7 +89,7 @@ def cmd_sweep(args) -> int:
 
     try:
         with RunLock(Path(args.out), "sweep"):  # one sweep at a time in a folder (each run also locks its own)
-            run_sweep(runs, progress=not args.no_progress)
+            run_sweep(runs, progress=not args.no_progress, workers=args.workers)
     except KeyboardInterrupt:
         print("pflalign: interrupted; rerun the same sweep command to continue where it stopped", file=sys.stderr)
         return 130
@@ -123,6 +127,11 @@ def cmd_fetch_model(args) -> int:
     return 0
 
 
+WORKERS_HELP = ("train a round's clients, and score them, in N processes of one thread each (CPU; default 1: "
+                "this process with all its threads); N = the cores is fastest, and the results equal a "
+                "one-thread run's bit for bit")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pflalign", description="Personalized federated LoRA fine-tuning (pFLAlign and baselines).")
     parser.add_argument("-v", "--verbose", action="store_true", help="more log output")
@@ -137,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
     run.add_argument("--stop-after-rounds", type=int, metavar="N", help="stop (checkpointed) after N more rounds")
     run.add_argument("--no-progress", action="store_true", help="no progress bars (log lines instead)")
+    run.add_argument("--workers", type=int, default=1, metavar="N", help=WORKERS_HELP)
     run.set_defaults(func=cmd_run)
 
     sweep = sub.add_parser("sweep", help="run a grid of datasets x methods x seeds, skipping finished runs")
@@ -150,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a folder of finished runs in the sweep's layout kept elsewhere (e.g. committed "
                             "results): a run found there with the same config is skipped (repeatable)")
     sweep.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sweep.add_argument("--workers", type=int, default=1, metavar="N", help=WORKERS_HELP)
     sweep.set_defaults(func=cmd_sweep)
 
     report = sub.add_parser("report", help="tables and figures from finished runs")

@@ -22,9 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from . import allocator, export, run_dir, tensorboard
-from .client import Client, make_client, score_client, train_client
+from .client import Client, draw_batches, make_client
 from .client_store import ClientStore
-from .config import RunConfig, make_method
+from .config import RunConfig, make_method, to_dict
 from .data_cache import client_data
 from .errors import RunInterrupted, TrainingDiverged, UserError
 from .evaluate import add_exact_match
@@ -32,6 +32,7 @@ from .lifecycle import Recorder, RoundRecord, client_row, eval_clients, results_
 from .methods.base import Method, Params, RoundContext, clone, data_weights
 from .model import build_model
 from .partition import client_shares_described
+from .workers import ClientSide, Inline, Processes, ScoreJob, TrainJob, check_workers, personalized_adapter
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,17 @@ class Federation:
     live in ``<out>/clients/`` (`pflalign.client_store`), are loaded when a client is sampled
     or scored and dropped after, so memory does not grow with the number of clients. A client
     is created (its state from w^0) at its first round and tokenized when first used.
+
+    `workers` > 1: the clients of a round train, and the clients are scored, in that many
+    processes of one thread each (`pflalign.workers`), with a one-thread run's results.
     """
 
-    def __init__(self, cfg: RunConfig, progress: bool = True, out: Path | str | None = None):
+    def __init__(self, cfg: RunConfig, progress: bool = True, out: Path | str | None = None, workers: int = 1):
+        check_workers(workers, self.cfg_device(cfg))
         self.cfg = cfg
         self.progress = progress
+        self.workers = workers
+        self._runner: Inline | Processes | None = None
         shares, self.data_info = client_shares_described(cfg)
         self.lm = build_model(cfg)
         self.lm.check_max_seq_len(cfg.max_seq_len)
@@ -62,27 +69,38 @@ class Federation:
                                     if cached else None)
                         for k, share in enumerate(shares)]
         self.store = ClientStore(out, [c.name for c in self.clients])  # its folder: the run's (`train` sets it)
+        # what runs a client's jobs in this process (workers = 1, and the export's personalized adapters)
+        self.side = ClientSide(self.lm, self.method, cfg, self.store, self.initial_params)
+
+    @staticmethod
+    def cfg_device(cfg: RunConfig) -> str:
+        from .model import resolve_device
+
+        return torch.device(resolve_device(cfg.device)).type
+
+    @property
+    def runner(self) -> Inline | Processes:
+        """The jobs' runner, made at first use: this process, or the worker processes (started once)."""
+        if self._runner is None:
+            if self.workers == 1:
+                self._runner = Inline(self.side, self.progress)
+            else:
+                if self.store.folder is None:
+                    raise ValueError("workers > 1 need the run folder (the clients' files are the workers' state)")
+                self._runner = Processes(self.workers, to_dict(self.cfg), self.store.folder.parent,
+                                         [c.name for c in self.clients], self.initial_params)
+        return self._runner
+
+    def close(self) -> None:
+        """Stop the worker processes, if any."""
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
 
     @property
     def truncated(self) -> int:
         """Training examples cut at max_seq_len, over the clients tokenized so far (every client that trained)."""
         return sum(r.truncated for r in self.store.records)
-
-    # ---- one client's tensors, in and out ------------------------------------------
-    def load_client(self, k: int) -> Client:
-        """Client k with its state and personalized adapter on the heap (a fresh state from w^0
-        before its first round)."""
-        client = self.clients[k]
-        loaded = self.store.load(k, self.global_params[next(iter(self.global_params))].device)
-        if loaded is None:
-            client.state, client.personalized = self.method.init_client_state(self.initial_params), None
-        else:
-            client.state, client.personalized = loaded
-        client.steps_taken = self.store.records[k].steps_taken
-        return client
-
-    def unload_client(self, client: Client) -> None:
-        client.state = client.personalized = None
 
     def _tokenize(self, client: Client) -> None:
         if client.tokenized:
@@ -111,39 +129,40 @@ class Federation:
         bar = tqdm(total=len(chosen) * cfg.local_steps, desc=f"round {r + 1} local steps", leave=False,
                    disable=not self.progress, unit="step")
         received = self.method.broadcast(self.global_params, self.server_state)
-        # p_k is known before anyone trains: each message joins the running sums when its client
-        # finishes and is dropped, so the round never holds more than one (memory flat in |S|)
+        # p_k is known before anyone trains: each message joins the running sums in client order
+        # and is dropped, so the round holds at most one per worker (memory flat in |S|)
         weights = data_weights([self.clients[k].n_train for k in chosen])
         aggregation = self.method.start_aggregation(self.global_params, weights, self.server_state,
                                                     RoundContext(r, len(self.clients), chosen))
+        jobs = [self._train_job(r, k) for k in chosen]
+        steps_after = [self.clients[k].steps_taken for k in chosen]
+        costs = [float(sum(int(b["attention_mask"].sum()) for b in job.batches)) for job in jobs]  # tokens
         results = []
-        for i, k in enumerate(chosen):
-            client = self.load_client(k)
-            self._tokenize(client)
-            bar.set_postfix(client=client.name)
-
-            def on_step(t, loss, k=k):
+        done_jobs = self.runner.map(jobs, {"global": self.global_params, "received": received}, costs,
+                                    on_step=lambda i, t, loss: bar.update(1))
+        for i, (k, done) in enumerate(zip(chosen, done_jobs)):
+            done.record.steps_taken = steps_after[i]
+            self.store.records[k] = done.record
+            for t, loss in enumerate(done.result.losses):
                 rec.train_step(r, k, t, loss)
-                bar.update(1)
-
-            try:
-                result = train_client(self.lm, self.method, client, self.global_params, received, cfg, r, on_step)
-            except TrainingDiverged as exc:
-                raise TrainingDiverged(f"client {k} ({client.name}): {exc}") from None
-            # its new state, under a name no checkpoint knows yet (a crash before the round's
-            # checkpoint leaves the previous file in force)
-            self.store.save(k, r + 1, client.state, client.personalized)
-            self.store.records[k].steps_taken = client.steps_taken
-            self.unload_client(client)
-            result.personalized = None  # in its file now
-            aggregation.add(i, result.message)
-            result.message = {}  # in the sums now; the round keeps the metrics only
-            rec.client_round(r, k, result)
-            results.append(result)
-            allocator.release_free_memory()  # the round's activations: not kept past the client
+            if self.runner.workers > 1:
+                bar.update(len(done.result.losses))
+            aggregation.add(i, done.result.message)
+            done.result.message = {}  # in the sums now; the round keeps the metrics only
+            rec.client_round(r, k, done.result)
+            results.append(done.result)
         bar.close()
         self.global_params = aggregation.finish()
         return RoundRecord(chosen, results, weights)
+
+    def _train_job(self, r: int, k: int) -> TrainJob:
+        """Client k's round as a job: its next T minibatches (drawn here, a pure function of seed,
+        client and step: `draw_batches`) and its record."""
+        client = self.clients[k]
+        self._tokenize(client)
+        client.steps_taken = self.store.records[k].steps_taken
+        batches = draw_batches(client, self.cfg, self.lm.tokenizer.pad_token_id)
+        return TrainJob(k, r, self.store.records[k], batches)
 
     # ---- checkpoint ---------------------------------------------------------
     def checkpoint(self) -> dict:
@@ -184,29 +203,30 @@ class Federation:
         method's run of a seed, so their numbers compare client by client)."""
         return eval_clients(len(self.clients), self.cfg.eval.clients, self.cfg.seed)
 
-    def _score(self, adapter_of, label: str, limit: int | None = None) -> tuple[list[float], list[list[str]]]:
-        """ROUGE-L of every scored client (`eval_ids`) on its own test split (its first `limit`
-        examples when given), with the adapter `adapter_of(k)` (None: the base model, adapters
-        switched off); one client's tensors on the heap at a time."""
-        scores, outputs = [], []
-        for k in self.eval_ids:
-            c = self.clients[k]
-            score, preds = score_client(self.lm, c.data.test[:limit], adapter_of(k), self.cfg,
-                                        f"eval {label} {c.name}", self.progress)
-            scores.append(score)
-            outputs.append(preds)
-        return scores, outputs
+    def _score(self, models: list[str], label: str = "", limit: int | None = None) -> dict:
+        """ROUGE-L and outputs of every scored client (`eval_ids`) on its own test split (its first
+        `limit` examples when given), for each of `models` ("personalized", "global", "base"):
+        {model: (scores, outputs, seconds)}, seconds summed over its clients' jobs."""
+        jobs, costs = [], []
+        for model in models:
+            for k in self.eval_ids:
+                c = self.clients[k]
+                test = c.data.test[:limit]
+                jobs.append(ScoreJob(k, model, self.store.records[k], test, f"eval {label}{model} {c.name}"))
+                # which to start first: the long answers are the slow ones (a guess from the references)
+                costs.append(float(sum(len(ex.prompt) + 4 * len(ex.response) for ex in test)))
+        scored = {model: ([], [], 0.0) for model in models}
+        for job, done in zip(jobs, self.runner.map(jobs, {"global": self.global_params}, costs)):
+            scores, outputs, seconds = scored[job.model]
+            scores.append(done.score)
+            outputs.append(done.predictions)
+            scored[job.model] = (scores, outputs, seconds + done.seconds)
+        return scored
 
     def personalized_of(self, k: int) -> Params:
         """Client k's personalized adapter as evaluated (after aggregation, as its method defines
         it), from its file; the global one before its first round."""
-        if self.store.records[k].file is None:
-            return self.global_params
-        client = self.load_client(k)
-        try:
-            return self.method.personalized_after_aggregation(self.global_params, client.personalized, client.state)
-        finally:
-            self.unload_client(client)
+        return personalized_adapter(self.side, k, self.store.records[k], self.global_params)
 
     def round_eval(self, round_index: int, rec: Recorder) -> None:
         """Score the clients on their first `eval.every_max_test` test examples
@@ -214,27 +234,20 @@ class Federation:
         switching it on never changes the training."""
         limit = self.cfg.eval.every_max_test
         with torch.random.fork_rng(devices=[]):
-            personal, _ = self._score(self.personalized_of, f"round {round_index + 1} personalized", limit)
-            global_, _ = self._score(lambda k: self.global_params, f"round {round_index + 1} global", limit)
-        for k, p, g in zip(self.eval_ids, personal, global_):
+            scored = self._score(["personalized", "global"], f"round {round_index + 1} ", limit)
+        for k, p, g in zip(self.eval_ids, scored["personalized"][0], scored["global"][0]):
             c = self.clients[k]
             rec.round_eval(round_index, c.id, c.name, len(c.data.test[:limit]), p, g)
 
     def evaluate(self) -> tuple[dict, list[dict]]:
         cfg = self.cfg
         ids = self.eval_ids
-        seconds = {}  # where the evaluation's time goes (results.json); base about 0 when cached
-
-        def timed(adapter_of, label: str):
-            tic = time.perf_counter()
-            scored = self._score(adapter_of, label)
-            seconds[label] = time.perf_counter() - tic
-            return scored
-
-        personal_scores, personal_out = timed(self.personalized_of, "personalized")
-        global_scores, global_out = timed(lambda k: self.global_params, "global")
+        # the base model's generations are cached across runs (base_cache.py): about 0 s then
+        scored = self._score(["personalized", "global", "base"] if cfg.eval.base_model else ["personalized", "global"])
         none = [None] * len(ids)
-        base_scores, base_out = timed(lambda k: None, "base") if cfg.eval.base_model else (none, none)
+        personal_scores, personal_out, _ = scored["personalized"]
+        global_scores, global_out, _ = scored["global"]
+        base_scores, base_out, _ = scored.get("base", (none, none, 0.0))
         rows, predictions = [], []
         for i, k in enumerate(ids):
             c = self.clients[k]
@@ -247,7 +260,8 @@ class Federation:
                     "base": base_out[i][j] if base_out[i] is not None else None,
                 })
         summary = results_summary(cfg, rows, self.truncated, self.data_info, len(self.clients))
-        summary["seconds_eval_by_model"] = seconds
+        # where the evaluation's time goes: each model's jobs' seconds (with workers > 1 they overlap)
+        summary["seconds_eval_by_model"] = {model: seconds for model, (_, _, seconds) in scored.items()}
         return summary, predictions
 
     def adapters_as_evaluated(self) -> "_Adapters":
@@ -275,11 +289,12 @@ class _Adapters(Mapping):
 
 @run_dir.guarded  # --out checked and locked, --overwrite restores the old run on failure
 def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
-        stop_after: int | None = None, progress: bool = True) -> dict | None:
-    """Run (or resume) one federated job into `out`; returns results, or None when stopped early."""
+        stop_after: int | None = None, progress: bool = True, workers: int = 1) -> dict | None:
+    """Run (or resume) one federated job into `out`; returns results, or None when stopped early.
+    `workers` > 1: clients train and are scored in that many one-thread processes (`pflalign.workers`)."""
     rec = Recorder(out, resume, overwrite)
     cfg = rec.config(cfg)
-    fed = Federation(cfg, progress=progress, out=rec.out)
+    fed = Federation(cfg, progress=progress, out=rec.out, workers=workers)
     start = fed.restore(rec.checkpoint) if rec.resuming else 0
     rec.open(cfg)
     rec.metrics = tensorboard.wrap(rec.metrics, cfg, rec.out, {c.id: c.name for c in fed.clients})  # log.tensorboard
@@ -308,9 +323,11 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         add_exact_match(results, predictions)  # beside ROUGE-L, from the same outputs
         # the models as evaluated, as PEFT adapter folders (export.py), before results.json marks the run finished
         export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated())
-        # memory_allocator: "mimalloc" under the pflalign command (allocator.py)
+        # memory_allocator: "mimalloc" under the pflalign command (allocator.py); the processes and
+        # threads that computed it (the thread count decides the floating-point sums' last bits)
         return rec.finish(results, train_seconds, time.perf_counter() - tic, predictions,
-                          memory_allocator=allocator.active())
+                          memory_allocator=allocator.active(), workers=fed.workers,
+                          threads_per_worker=fed.runner.threads())
     except KeyboardInterrupt:
         raise _interrupted(rec, cfg) from None
     except TrainingDiverged as exc:
@@ -318,6 +335,7 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         kept = f"; the checkpoint after round {rec.saved[0]} is kept" if rec.saved[0] else ""
         raise TrainingDiverged(f"{exc}{kept}") from None
     finally:
+        fed.close()
         rec.close()
 
 

@@ -283,8 +283,8 @@ def _check_same_config(run: PlannedRun) -> None:
                         f"use another --out or remove that run")
 
 
-def run_sweep(runs: list[PlannedRun], progress: bool = True) -> list[dict]:
-    """Run the planned runs one after another; returns each one's results."""
+def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1) -> list[dict]:
+    """Run the planned runs one after another (`workers`: engine.run's); returns each one's results."""
     from .engine import run as run_one
 
     bar = tqdm(total=len(runs), desc="sweep", unit="run", disable=not progress)
@@ -307,7 +307,7 @@ def run_sweep(runs: list[PlannedRun], progress: bool = True) -> list[dict]:
             resume = state == "unfinished"
             # a 'new' run may hold leftovers of a first round that never finished: start afresh
             results = run_one(None if resume else r.cfg, r.out, resume=resume, overwrite=not resume,
-                              progress=progress)
+                              progress=progress, workers=workers)
             what = "resumed and finished" if resume else "finished"
             say(f"{head}: {what} in {(time.perf_counter() - tic) / 60:.1f} min, "
                 f"avg ROUGE-L {results['avg_rouge_l_personalized']:.2f}")

@@ -1,0 +1,372 @@
+"""A round's clients trained, and the final evaluation's clients scored, side by side.
+
+Why: a round's clients are independent until the server aggregates them. On a
+CPU, two single-threaded processes each training its own client finish a
+FLAN round of SmolLM2 1.33× sooner than one process whose two threads split
+every operation (23.0 against 30.7 s for the 4 clients; benchmarks/README.md,
+"Clients side by side"). So with ``workers = N`` the engine hands its clients
+to N worker processes of one thread each.
+
+What stays the same: the numbers. A job is a pure function of what it is given:
+the minibatches (drawn by the engine, `client.draw_batches`), the client's state
+file (`client_store`: the worker reads it and writes the next one), w^r and
+the broadcast, through the same client rule (`client.local_round`) and the same
+scoring (`client.score_client`). The engine adds the replies to the aggregation in
+client order, whichever finishes first. So ``workers = 2`` gives a one-thread
+run's results bit for bit (test_workers.py); what changes results is the thread
+count (floating-point sums split across threads differently), not the workers.
+
+Two runners with one interface, `map(jobs, shared, costs)` → the jobs' results in
+job order: `Inline` runs them in the engine's own process on its model (workers = 1,
+the engine's threads); `Processes` spawns the workers once and keeps them for the run.
+A worker holds its own copy of the model (the base weights are memory-mapped from
+the same file, model_cache.py), and at most ``workers`` finished replies wait for
+their turn in the engine (memory still flat in the number of clients per round).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from . import allocator
+from .client import ClientRound, local_round, score_client
+from .client_store import ClientRecord, ClientStore
+from .data import Example
+from .errors import TrainingDiverged, UserError
+from .methods.base import Method, Params
+
+log = logging.getLogger(__name__)
+
+
+# ---- the jobs -------------------------------------------------------------------
+@dataclass
+class TrainJob:
+    """Client k's round `round`: its minibatches, and its record (which file holds its state)."""
+
+    k: int
+    round: int
+    record: ClientRecord
+    batches: list[dict]
+
+
+@dataclass
+class TrainDone:
+    k: int
+    result: ClientRound  # its personalized adapter is in the client's new file, not here
+    record: ClientRecord  # that file
+    seconds: float
+
+
+@dataclass
+class ScoreJob:
+    """Client k's `test` examples with one of its models: "personalized" (after aggregation, as
+    its method defines it; w^r before its first round), "global" or "base" (adapter off)."""
+
+    k: int
+    model: str
+    record: ClientRecord
+    test: list[Example]
+    desc: str
+
+
+@dataclass
+class ScoreDone:
+    k: int
+    score: float
+    predictions: list[str]
+    seconds: float
+
+
+@dataclass
+class ClientSide:
+    """What a process needs to run jobs: its model, the method, the config, the clients' files,
+    and w^0 (a client's first state starts from it)."""
+
+    lm: object  # model.FederatedLM
+    method: Method
+    cfg: object  # config.RunConfig
+    store: ClientStore
+    initial_params: Params
+
+
+def personalized_adapter(side: ClientSide, k: int, record: ClientRecord, global_params: Params) -> Params:
+    """Client k's personalized adapter as evaluated (`Method.personalized_after_aggregation`), from
+    the file `record` names; w^r when it has not trained yet."""
+    if record.file is None:
+        return global_params
+    side.store.records[k] = record
+    state, personalized = side.store.load(k, side.lm.device)
+    return side.method.personalized_after_aggregation(global_params, personalized, state)
+
+
+def run_train_job(side: ClientSide, job: TrainJob, shared: dict,
+                  on_step: Callable[[int, float], None] | None = None) -> TrainDone:
+    """Client k's round: its state from its file (w^0's fresh state before its first round), T
+    local steps, its new state and personalized adapter into its next file."""
+    tic = time.perf_counter()
+    side.store.records[job.k] = job.record
+    loaded = side.store.load(job.k, side.lm.device)
+    state, _ = loaded if loaded is not None else (side.method.init_client_state(side.initial_params), None)
+    try:
+        result = local_round(side.lm, side.method, state, shared["global"], shared["received"], job.batches,
+                             side.cfg.lr, job.round, on_step)
+    except TrainingDiverged as exc:
+        raise TrainingDiverged(f"client {job.k} ({job.record.name}): {exc}") from None
+    # its new state, under a name no checkpoint knows yet (a crash before the round's
+    # checkpoint leaves the previous file in force)
+    side.store.save(job.k, job.round + 1, state, result.personalized)
+    result.personalized = None  # in its file now
+    allocator.release_free_memory()  # the client's activations: not kept past it
+    return TrainDone(job.k, result, side.store.records[job.k], time.perf_counter() - tic)
+
+
+def run_score_job(side: ClientSide, job: ScoreJob, shared: dict, progress: bool = False) -> ScoreDone:
+    tic = time.perf_counter()
+    adapter = (None if job.model == "base" else shared["global"] if job.model == "global"
+               else personalized_adapter(side, job.k, job.record, shared["global"]))
+    score, predictions = score_client(side.lm, job.test, adapter, side.cfg, job.desc, progress)
+    return ScoreDone(job.k, score, predictions, time.perf_counter() - tic)
+
+
+def _run(side: ClientSide, job, shared: dict, progress: bool = False, on_step=None):
+    if isinstance(job, TrainJob):
+        return run_train_job(side, job, shared, on_step)
+    return run_score_job(side, job, shared, progress)
+
+
+# ---- the runners ----------------------------------------------------------------
+class Inline:
+    """Jobs one after another in the engine's own process, on its model (workers = 1)."""
+
+    workers = 1
+
+    def __init__(self, side: ClientSide, progress: bool):
+        self.side, self.progress = side, progress
+
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+    def map(self, jobs: list, shared: dict, costs: list[float] | None = None,
+            on_step: Callable[[int, int, float], None] | None = None) -> Iterator:
+        for i, job in enumerate(jobs):
+            step = None if on_step is None else (lambda t, loss, i=i: on_step(i, t, loss))
+            yield _run(self.side, job, shared, self.progress, step)
+
+    def close(self) -> None:
+        pass
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process raised an error that is not one of ours, or died."""
+
+
+class Processes:
+    """`workers` spawned processes of one thread each, kept for the run; jobs go to whichever is
+    free, the costliest first (`costs`: a round's tokens), and come back in job order."""
+
+    def __init__(self, workers: int, cfg_dict: dict, out: Path, names: list[str], initial_params: Params):
+        self.workers = workers
+        self.conns, self.procs = [], []
+        self.broken = False
+        # a fresh interpreter each (`python -m pflalign.workers`), not multiprocessing's spawn, which
+        # re-runs the caller's main script in the child: a script without a __main__ guard would
+        # start its run again there. Never fork: this process has run torch's thread pools.
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        package_root = str(Path(__file__).resolve().parents[1])  # this pflalign, not another one installed
+        env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])
+        self.env = env
+        for _ in range(workers):
+            child_reads, parent_writes = os.pipe()
+            parent_reads, child_writes = os.pipe()
+            proc = subprocess.Popen([sys.executable, "-m", "pflalign.workers", str(child_reads), str(child_writes)],
+                                    pass_fds=(child_reads, child_writes), env=env, stdin=subprocess.DEVNULL)
+            os.close(child_reads), os.close(child_writes)
+            self.conns.append(_Pipes(parent_writes, parent_reads))
+            self.procs.append(proc)
+        for conn in self.conns:
+            self._send(conn, ("start", (cfg_dict, str(out), names, initial_params)))
+
+    def threads(self) -> int:
+        return 1
+
+    def map(self, jobs: list, shared: dict, costs: list[float] | None = None, on_step=None) -> Iterator:
+        if self.broken:
+            raise WorkerFailed("the worker processes were stopped after an earlier error")
+        self.broken = True  # until every job is back: an abandoned map leaves the workers mid-job
+        for conn in self.conns:
+            self._send(conn, ("shared", shared))
+        order = sorted(range(len(jobs)), key=lambda i: -(costs[i] if costs else 0.0))  # stable: ties in job order
+        queue = iter(order)
+        busy: dict = {}  # conn → index of its job
+
+        def submit(conn) -> None:
+            i = next(queue, None)
+            if i is not None:
+                self._send(conn, ("job", jobs[i]))
+                busy[conn] = i
+
+        for conn in self.conns:
+            submit(conn)
+        finished: dict[int, object] = {}
+        for i in range(len(jobs)):
+            while i not in finished:
+                for conn in wait(list(busy)):
+                    finished[busy.pop(conn)] = self._receive(conn)
+                    submit(conn)
+            if not busy:  # every job is back: the workers are idle, whatever the caller does next
+                self.broken = False
+            yield finished.pop(i)
+
+    def _send(self, conn, message) -> None:
+        try:
+            conn.send(message)
+        except OSError:  # BrokenPipeError among them: the worker is gone
+            raise self._died(conn) from None
+
+    def _receive(self, conn):
+        try:
+            status, payload = conn.recv()
+        except (EOFError, OSError):
+            raise self._died(conn) from None
+        if status == "error":
+            raise payload
+        return payload
+
+    def _died(self, conn) -> WorkerFailed:
+        self.broken = True
+        proc = self.procs[self.conns.index(conn)]
+        try:
+            code = proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        why = " (killed: out of memory?)" if code is not None and code < 0 else ""
+        return WorkerFailed(f"a client worker process exited unexpectedly (exit code {code}){why}")
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                if not self.broken:
+                    conn.send(("stop", None))
+                conn.close()
+            except OSError:
+                pass
+        for proc in self.procs:
+            if self.broken:
+                proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class _TensorPickler(pickle.Pickler):
+    """Each tensor as its own elements' bytes. torch pickles a tensor with its whole storage, and
+    an adapter's tensors are views of one flat buffer (params.empty_like): 420 of them would be
+    420 copies of the whole adapter (8 GB for SmolLM2's 19.5 MB)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            return _tensor_from_bytes, (data, t.dtype, tuple(t.shape))
+        return NotImplemented
+
+
+def _tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class _Pipes:
+    """One worker's two pipes as one connection: messages framed by `Connection`, pickled with
+    the plain pickler (tensors as bytes; multiprocessing's would hand torch tensors over as shared
+    memory, which only its own child processes can open); `fileno` is the reading end, for `wait`."""
+
+    def __init__(self, write_fd: int, read_fd: int):
+        self.writer = Connection(write_fd, readable=False)
+        self.reader = Connection(read_fd, writable=False)
+
+    def send(self, obj) -> None:
+        buffer = io.BytesIO()
+        _TensorPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        self.writer.send_bytes(buffer.getbuffer())
+
+    def recv(self):
+        return pickle.loads(self.reader.recv_bytes())
+
+    def fileno(self) -> int:
+        return self.reader.fileno()
+
+    def close(self) -> None:
+        self.writer.close()
+        self.reader.close()
+
+
+def _worker_main(read_fd: int, write_fd: int) -> None:
+    """A worker: build the model once (one thread), then run jobs until told to stop or until the
+    engine's end of the pipe closes (the engine died)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it stops us
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from transformers.utils import logging as hf_logging
+
+    from .config import build_config, make_method
+    from .model import build_model
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    conn = _Pipes(write_fd, read_fd)
+    try:
+        kind, (cfg_dict, out, names, initial_params) = conn.recv()
+    except (EOFError, ConnectionError):
+        return
+    cfg = build_config(None, cfg_dict)
+    side = ClientSide(build_model(cfg), make_method(cfg), cfg, ClientStore(out, names), initial_params)
+    shared: dict = {}
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, ConnectionError):
+            return
+        if kind == "stop":
+            return
+        if kind == "shared":
+            shared = payload
+            continue
+        try:
+            conn.send(("done", _run(side, payload, shared)))
+        except (TrainingDiverged, UserError) as exc:  # ours: the engine says them as they are
+            conn.send(("error", exc))
+        except Exception as exc:  # noqa: BLE001 - anything else, with the worker's traceback
+            conn.send(("error", WorkerFailed(f"in a client worker: {exc!r}\n{traceback.format_exc()}")))
+
+
+def check_workers(workers: int, device: str) -> None:
+    """Refuse what cannot work: fewer than one worker, or several processes on one GPU."""
+    if workers < 1:
+        raise UserError(f"--workers must be >= 1, got {workers}")
+    if workers > 1 and device != "cpu":
+        raise UserError(f"--workers {workers} runs clients in CPU processes; on {device} use --workers 1")
+
+
+if __name__ == "__main__":  # a worker process (`Processes` starts it): python -m pflalign.workers READ WRITE
+    # through the module's own name: the jobs are unpickled as pflalign.workers' classes, not __main__'s
+    from pflalign.workers import _worker_main as main
+
+    main(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,167 @@
+"""Clients side by side (`--workers`): a one-thread run's results bit for bit, errors and
+interruptions that leave nothing running and nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pflalign import checkpoint as ckpt
+from pflalign.config import build_config
+from pflalign.engine import Federation, run
+from pflalign.errors import TrainingDiverged, UserError
+from pflalign.lifecycle import Recorder
+from pflalign.workers import Processes, WorkerFailed, check_workers
+
+from test_engine import TINY
+from test_pinned_results import run_hashes
+
+# three clients for two workers: a reply can come back before the one ahead of it
+THREE = {**TINY, "data": {**TINY["data"], "clients": ["arithmetic", "sorting", "key_value"]},
+         "eval": {**TINY["eval"], "every": 1, "every_max_test": 2}}
+
+
+def config(method: str, **over):
+    return build_config(None, {**json.loads(json.dumps(THREE)), "method": method, **over})
+
+
+def one_thread_run(cfg, out: Path, **kwargs):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run(cfg, out, progress=False, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def worker_processes() -> list[int]:
+    """This process's `python -m pflalign.workers` children still alive."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and b"pflalign.workers" in cmdline and " Z " not in stat[stat.rindex(")"):][:4]:
+            pids.append(int(entry.name))
+    return pids
+
+
+# a pFLAlign step is stateful and personal, SCAFFOLD's messages carry two groups, FedSA-LoRA's
+# personalized model is made after aggregation: each in its own way depends on what the worker got
+@pytest.mark.parametrize("method", ["pflalign", "scaffold", "fedsa-lora"])
+def test_two_workers_give_a_one_thread_run_bit_for_bit(tmp_path, method):
+    one = one_thread_run(config(method), tmp_path / "one")
+    two = run(config(method), tmp_path / "two", progress=False, workers=2)
+    assert run_hashes(tmp_path / "two") == run_hashes(tmp_path / "one")  # tensors, metrics, predictions
+    assert (two["workers"], two["threads_per_worker"]) == (2, 1)
+    assert (one["workers"], one["threads_per_worker"]) == (1, 1)
+    assert set(two["seconds_eval_by_model"]) == {"personalized", "global", "base"}
+    assert worker_processes() == []  # stopped with the run
+
+
+def test_sampled_clients_and_a_resume_across_worker_counts(tmp_path):
+    """participation < 1 (each round's own sample); stopped after a round with two workers and
+    resumed in this process: the uninterrupted one-thread run's results."""
+    cfg = config("pflalign", participation=0.67, rounds=3)
+    one_thread_run(cfg, tmp_path / "one")
+    assert run(cfg, tmp_path / "split", progress=False, workers=2, stop_after=1) is None
+    one_thread_run(None, tmp_path / "split", resume=True)
+    assert run_hashes(tmp_path / "split") == run_hashes(tmp_path / "one")
+
+
+def test_a_diverging_client_stops_the_run_in_one_line_and_the_workers(tmp_path):
+    with pytest.raises(TrainingDiverged, match=r"^client \d \((arithmetic|sorting|key_value)\): non-finite"):
+        run(config("fedavg", lr=1e30), tmp_path, progress=False, workers=2)
+    assert not (tmp_path / ckpt.RESULTS).exists()
+    assert worker_processes() == []
+
+
+def test_an_interrupt_while_a_worker_is_busy_then_resume(tmp_path, monkeypatch):
+    """Ctrl-C after the first reply of round 2 (the other worker mid-job): the run stops at its
+    last checkpoint, no worker is left, and a resume gives the uninterrupted results."""
+    cfg = config("scaffold")
+    one_thread_run(cfg, tmp_path / "one")
+    original = Recorder.client_round
+
+    def interrupt(self, r, k, result):
+        if r == 1:
+            raise KeyboardInterrupt
+        original(self, r, k, result)
+
+    monkeypatch.setattr(Recorder, "client_round", interrupt)
+    with pytest.raises(KeyboardInterrupt, match="resume with"):
+        run(cfg, tmp_path / "split", progress=False, workers=2)
+    assert worker_processes() == []
+    monkeypatch.setattr(Recorder, "client_round", original)
+    run(None, tmp_path / "split", resume=True, progress=False, workers=2)
+    assert run_hashes(tmp_path / "split") == run_hashes(tmp_path / "one")
+
+
+def test_a_worker_that_dies_is_reported_not_waited_for(tmp_path):
+    cfg = config("fedavg")
+    fed = Federation(cfg, progress=False, out=tmp_path, workers=2)
+    rec = Recorder(tmp_path, resume=False, overwrite=False)
+    rec.open(cfg)
+    try:
+        fed.train(rec, 0, 1)
+        fed.runner.procs[0].kill()
+        with pytest.raises(WorkerFailed, match=r"exited unexpectedly \(exit code -9\)"):
+            fed.train(rec, 1, 2)
+    finally:
+        fed.close()
+        rec.close()
+    assert worker_processes() == []
+
+
+def test_jobs_come_back_in_their_order_whichever_finishes_first(tmp_path):
+    """The costliest job starts first; the results are yielded in job order all the same."""
+    cfg = config("fedavg")
+    fed = Federation(cfg, progress=False, out=tmp_path, workers=2)
+    try:
+        jobs = [fed._train_job(0, k) for k in range(3)]
+        shared = {"global": fed.global_params, "received": {}}
+        done = list(fed.runner.map(jobs, shared, costs=[1.0, 3.0, 2.0]))
+        assert [d.k for d in done] == [0, 1, 2]
+        assert [d.record.file for d in done] == [f"{k}.r1.safetensors" for k in range(3)]
+    finally:
+        fed.close()
+
+
+def test_bad_worker_counts_are_refused():
+    with pytest.raises(UserError, match="--workers must be >= 1"):
+        check_workers(0, "cpu")
+    with pytest.raises(UserError, match="on cuda use --workers 1"):
+        check_workers(2, "cuda")
+    check_workers(4, "cpu")
+
+
+def test_cli_refuses_zero_workers_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "pflalign", "run", "--config", "demo", "--out", str(tmp_path / "r"),
+                           "--workers", "0"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "pflalign: error: --workers must be >= 1, got 0"
+    assert not (tmp_path / "r").exists()
+
+
+def test_processes_import_this_package(tmp_path):
+    """A worker imports the pflalign its engine runs (a test of a worktree must not test another
+    checkout's installed copy)."""
+    import pflalign
+
+    pool = Processes(1, json.loads(json.dumps(THREE)), tmp_path, [], {})
+    try:
+        assert pool.procs[0].args[1:3] == ["-m", "pflalign.workers"]
+        assert Path(pflalign.__file__).resolve().parents[1].as_posix() in pool.env["PYTHONPATH"].split(os.pathsep)[0]
+    finally:
+        pool.close()
