@@ -64,7 +64,7 @@ SWEEP_PRESETS: dict[str, dict] = {
                     # docs/results/tune-flan); the methods not listed here keep their defaults
                     # until their tuning runs finish
                     "method_args": {"fedprox": {"mu": 1.0}, "fedsam": {"rho": 0.5}, "feddyn": {"alpha": 0.01},
-                                    "fedyogi": {"server_lr": 0.1, "tau": 1e-3}}},
+                                    "fedyogi": {"server_lr": 0.1, "tau": 1e-3}, "pflalign": {"beta": 0.8}}},
     "table1-dolly": {"methods": TABLE1_METHODS, "seeds": [0, 1, 2],
                      "datasets": [{"name": "dolly", "config": "dolly-paper"}]},
 }
