@@ -206,6 +206,8 @@ class Processes:
     def map(self, jobs: list, shared: dict, costs: list[float] | None = None, on_step=None) -> Iterator:
         if self.broken:
             raise WorkerFailed("the worker processes were stopped after an earlier error")
+        if not jobs:
+            return
         self.broken = True  # until every job is back: an abandoned map leaves the workers mid-job
         for conn in self.conns:
             self._send(conn, ("shared", shared))
@@ -350,11 +352,12 @@ def _worker_main(read_fd: int, write_fd: int) -> None:
             shared = payload
             continue
         try:
-            conn.send(("done", _run(side, payload, shared)))
-        except (TrainingDiverged, UserError) as exc:  # ours: the engine says them as they are
-            conn.send(("error", exc))
+            reply = ("done", _run(side, payload, shared))
+        except UserError as exc:  # ours (TrainingDiverged, a damaged client file ...): said as they are
+            reply = ("error", exc)
         except Exception as exc:  # noqa: BLE001 - anything else, with the worker's traceback
-            conn.send(("error", WorkerFailed(f"in a client worker: {exc!r}\n{traceback.format_exc()}")))
+            reply = ("error", WorkerFailed(f"in a client worker: {exc!r}\n{traceback.format_exc()}"))
+        conn.send(reply)
 
 
 def check_workers(workers: int, device: str) -> None:
