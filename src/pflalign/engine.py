@@ -149,7 +149,7 @@ class Federation:
                 bar.update(len(done.result.losses))
             aggregation.add(i, done.result.message)
             done.result.message = {}  # in the sums now; the round keeps the metrics only
-            rec.client_round(r, k, done.result)
+            rec.client_round(r, k, done.result, seconds=done.seconds)
             results.append(done.result)
         bar.close()
         self.global_params = aggregation.finish()

@@ -176,9 +176,11 @@ class Recorder:
     def train_step(self, r: int, k: int, t: int, loss: float) -> None:
         self.metrics.write(event="train_step", round=r, client=k, step=t, loss=loss)
 
-    def client_round(self, r: int, k: int, res: ClientRound) -> None:
+    def client_round(self, r: int, k: int, res: ClientRound, seconds: float | None = None) -> None:
+        """`seconds`: the client's round from its state file in to its next file out (in-process engine)."""
+        extra = {} if seconds is None else {"seconds": seconds}
         self.metrics.write(event="client_round", round=r, client=k, gsnr_mean=res.gsnr_mean,
-                           gsnr_ratio=res.gsnr_ratio, update_norm=res.update_norm, model_norm=res.model_norm)
+                           gsnr_ratio=res.gsnr_ratio, update_norm=res.update_norm, model_norm=res.model_norm, **extra)
 
     def round_line(self, r: int, seconds: float, rec: RoundRecord) -> float:
         """The round's line; returns its mean training loss."""
