@@ -67,6 +67,8 @@ def test_two_workers_give_a_one_thread_run_bit_for_bit(tmp_path, method):
     assert (two["workers"], two["threads_per_worker"]) == (2, 1)
     assert (one["workers"], one["threads_per_worker"]) == (1, 1)
     assert set(two["seconds_eval_by_model"]) == {"personalized", "global", "base"}
+    lines = [json.loads(x) for x in (tmp_path / "two" / ckpt.METRICS).read_text().splitlines()]
+    assert all(x["seconds"] > 0 for x in lines if x["event"] == "client_round")  # each client's own time
     assert worker_processes() == []  # stopped with the run
 
 
@@ -94,10 +96,10 @@ def test_an_interrupt_while_a_worker_is_busy_then_resume(tmp_path, monkeypatch):
     one_thread_run(cfg, tmp_path / "one")
     original = Recorder.client_round
 
-    def interrupt(self, r, k, result):
+    def interrupt(self, r, k, result, **kwargs):
         if r == 1:
             raise KeyboardInterrupt
-        original(self, r, k, result)
+        original(self, r, k, result, **kwargs)
 
     monkeypatch.setattr(Recorder, "client_round", interrupt)
     with pytest.raises(KeyboardInterrupt, match="resume with"):
@@ -146,8 +148,9 @@ def test_bad_worker_counts_are_refused():
     check_workers(4, "cpu")
 
 
-def test_cli_refuses_zero_workers_in_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "pflalign", "run", "--config", "demo", "--out", str(tmp_path / "r"),
+@pytest.mark.parametrize("command", ["run --config demo", "sweep --config table1-flan"])
+def test_cli_refuses_zero_workers_in_one_line(tmp_path, command):
+    done = subprocess.run([sys.executable, "-m", "pflalign", *command.split(), "--out", str(tmp_path / "r"),
                            "--workers", "0"], capture_output=True, text=True)
     assert done.returncode == 2
     assert done.stderr.strip() == "pflalign: error: --workers must be >= 1, got 0"

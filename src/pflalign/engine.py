@@ -216,11 +216,17 @@ class Federation:
                 # which to start first: the long answers are the slow ones (a guess from the references)
                 costs.append(float(sum(len(ex.prompt) + 4 * len(ex.response) for ex in test)))
         scored = {model: ([], [], 0.0) for model in models}
+        # one process shows a bar per client as it generates (score_client); workers show none, so here
+        # a bar over their jobs
+        bar = tqdm(total=len(jobs), desc=f"eval {label}".strip(), leave=False, unit="job",
+                   disable=not self.progress or self.runner.workers == 1)
         for job, done in zip(jobs, self.runner.map(jobs, {"global": self.global_params}, costs)):
+            bar.update(1)
             scores, outputs, seconds = scored[job.model]
             scores.append(done.score)
             outputs.append(done.predictions)
             scored[job.model] = (scores, outputs, seconds + done.seconds)
+        bar.close()
         return scored
 
     def personalized_of(self, k: int) -> Params:
