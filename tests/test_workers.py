@@ -140,6 +140,38 @@ def test_jobs_come_back_in_their_order_whichever_finishes_first(tmp_path):
         fed.close()
 
 
+def test_the_costliest_start_first_within_a_window_of_the_next_2n(tmp_path, monkeypatch):
+    """Costs rising with the job index: unbounded, the last job would start first and every
+    result before it would wait in the engine. Within the window only jobs fewer than 2 x workers
+    ahead of the next one handed back start, so at most that many results are ever held."""
+    from pflalign.workers import ScoreJob
+
+    cfg = config("fedavg")
+    fed = Federation(cfg, progress=False, out=tmp_path, workers=2)
+    handed_back, started = [0], []
+    original = Processes._send
+
+    def spy(self, conn, message):
+        if message[0] == "job":
+            started.append((jobs.index(message[1]), handed_back[0]))
+        original(self, conn, message)
+
+    monkeypatch.setattr(Processes, "_send", spy)
+    try:
+        jobs = [ScoreJob(k, model, fed.store.records[k], fed.clients[k].data.test[:1], "test")
+                for model in ("global", "base") for k in range(3)] + \
+               [ScoreJob(0, "global", fed.store.records[0], fed.clients[0].data.test[1:2], "test")]
+        for i, done in enumerate(fed.runner.map(jobs, {"global": fed.global_params}, costs=list(range(len(jobs))))):
+            assert done.k == jobs[i].k
+            handed_back[0] += 1
+    finally:
+        fed.close()
+    assert [j for j, _ in started[:2]] == [3, 2]  # the costliest of jobs 0-3, not job 6
+    assert sorted(j for j, _ in started) == list(range(len(jobs)))
+    # the next window opens as a result is handed over (workers busy while the engine adds it)
+    assert all(j < back + 1 + 4 for j, back in started)
+
+
 def test_bad_worker_counts_are_refused():
     with pytest.raises(UserError, match="--workers must be >= 1"):
         check_workers(0, "cpu")

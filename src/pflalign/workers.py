@@ -20,8 +20,8 @@ Two runners with one interface, `map(jobs, shared, costs)` → the jobs' results
 job order: `Inline` runs them in the engine's own process on its model (workers = 1,
 the engine's threads); `Processes` spawns the workers once and keeps them for the run.
 A worker holds its own copy of the model (the base weights are memory-mapped from
-the same file, model_cache.py), and at most ``workers`` finished replies wait for
-their turn in the engine (memory still flat in the number of clients per round).
+the same file, model_cache.py), and at most 2 × ``workers`` finished replies wait
+for their turn in the engine (memory still flat in the number of clients per round).
 """
 
 from __future__ import annotations
@@ -176,7 +176,8 @@ class WorkerFailed(RuntimeError):
 
 class Processes:
     """`workers` spawned processes of one thread each, kept for the run; jobs go to whichever is
-    free, the costliest first (`costs`: a round's tokens), and come back in job order."""
+    free, the costliest of the next 2 × workers first (`costs`: a round's tokens), and come back
+    in job order."""
 
     def __init__(self, workers: int, cfg_dict: dict, out: Path, names: list[str], initial_params: Params):
         self.workers = workers
@@ -211,27 +212,40 @@ class Processes:
         self.broken = True  # until every job is back: an abandoned map leaves the workers mid-job
         for conn in self.conns:
             self._send(conn, ("shared", shared))
-        order = sorted(range(len(jobs)), key=lambda i: -(costs[i] if costs else 0.0))  # stable: ties in job order
-        queue = iter(order)
+        # the costliest first (a round ends with its slowest worker), but only among the next
+        # `window` jobs to hand back: a result waits here until those before it are back, so the
+        # window bounds how many replies this process holds (memory flat in |S|)
+        window = 2 * self.workers
+        pending = set(range(len(jobs)))
         busy: dict = {}  # conn → index of its job
+        finished: dict[int, object] = {}
+        next_out = 0
 
         def submit(conn) -> None:
-            i = next(queue, None)
-            if i is not None:
-                self._send(conn, ("job", jobs[i]))
-                busy[conn] = i
+            open_ = [j for j in pending if j < next_out + window]
+            if open_:
+                j = max(open_, key=lambda j: ((costs[j] if costs else 0.0), -j))  # ties: job order
+                pending.discard(j)
+                self._send(conn, ("job", jobs[j]))
+                busy[conn] = j
 
         for conn in self.conns:
             submit(conn)
-        finished: dict[int, object] = {}
         for i in range(len(jobs)):
             while i not in finished:
                 for conn in wait(list(busy)):
                     finished[busy.pop(conn)] = self._receive(conn)
-                    submit(conn)
-            if not busy:  # every job is back: the workers are idle, whatever the caller does next
+                for conn in self.conns:  # idle ones (the window may have moved)
+                    if conn not in busy:
+                        submit(conn)
+            if not busy and not pending:  # every job is back: the workers are idle, whatever comes next
                 self.broken = False
-            yield finished.pop(i)
+            next_out = i + 1
+            result = finished.pop(i)
+            for conn in self.conns:  # the window moved on by one
+                if conn not in busy:
+                    submit(conn)
+            yield result
 
     def _send(self, conn, message) -> None:
         try:
