@@ -30,7 +30,7 @@ from .errors import RunInterrupted, TrainingDiverged, UserError
 from .evaluate import add_exact_match
 from .lifecycle import Recorder, RoundRecord, client_row, eval_clients, results_summary, sample_clients
 from .methods.base import Method, Params, RoundContext, clone, data_weights
-from .model import build_model
+from .model import build_model, resolve_device
 from .partition import client_shares_described
 from .workers import ClientSide, Inline, Processes, ScoreJob, TrainJob, check_workers, personalized_adapter
 
@@ -50,7 +50,7 @@ class Federation:
     """
 
     def __init__(self, cfg: RunConfig, progress: bool = True, out: Path | str | None = None, workers: int = 1):
-        check_workers(workers, self.cfg_device(cfg))
+        check_workers(workers, resolve_device(cfg.device))
         self.cfg = cfg
         self.progress = progress
         self.workers = workers
@@ -71,12 +71,6 @@ class Federation:
         self.store = ClientStore(out, [c.name for c in self.clients])  # its folder: the run's (`train` sets it)
         # what runs a client's jobs in this process (workers = 1, and the export's personalized adapters)
         self.side = ClientSide(self.lm, self.method, cfg, self.store, self.initial_params)
-
-    @staticmethod
-    def cfg_device(cfg: RunConfig) -> str:
-        from .model import resolve_device
-
-        return torch.device(resolve_device(cfg.device)).type
 
     @property
     def runner(self) -> Inline | Processes:

@@ -378,7 +378,7 @@ def check_workers(workers: int, device: str) -> None:
     """Refuse what cannot work: fewer than one worker, or several processes on one GPU."""
     if workers < 1:
         raise UserError(f"--workers must be >= 1, got {workers}")
-    if workers > 1 and device != "cpu":
+    if workers > 1 and torch.device(device).type != "cpu":
         raise UserError(f"--workers {workers} runs clients in CPU processes; on {device} use --workers 1")
 
 
