@@ -129,6 +129,7 @@ def test_paired_differences_by_hand(sweep_dir, tmp_path):
     half = ci95_half_width([20.0, 14.0])
     assert f"| FedAvg | 2 | +17.00 ± {half:.2f} |" in report
     assert "| FFA-LoRA | 1 | +25.00 | -25.00 | +0.00 |" in report
+    assert "seed by seed (the seeds share data splits), in ROUGE-L ×100:" in report  # the metric, not a figure's name
     assert "### Training dynamics" in report and "| pFLAlign | " in report
 
 

@@ -452,7 +452,7 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
     and paired differences show `metric` (rouge_l or exact_match); the figures are ROUGE-L."""
     if metric not in METRICS:
         raise UserError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
-    name = METRICS[metric]
+    metric_name = METRICS[metric]
     from .figures import write_figures  # figures read the rows this module computes
 
     root, out = Path(root), Path(out)
@@ -477,7 +477,7 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
         (folder / "table.md").write_text(table)
         write_table_csv(folder / "table.csv", tasks, rows)
         lines += [f"## {dataset}", "",
-                  f"Personalized {name} ×100, {_seed_note(rows)}; Avg ± 95% CI half-width (Student's t over "
+                  f"Personalized {metric_name} ×100, {_seed_note(rows)}; Avg ± 95% CI half-width (Student's t over "
                   f"seeds). Best per column **bold**, second <u>underlined</u>. "
                   f"[table.md]({dataset}/table.md) · [table.csv]({dataset}/table.csv)"
                   + (f" (per-client columns for all {len(tasks)} clients in table.csv)" if many else ""), "", table]
@@ -487,15 +487,15 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
                   "of clients (at least one).", "", distribution_markdown(mine)]
         rouge_rows = rows if metric == "rouge_l" else summarize(mine)[1]
         figures, skipped = write_figures(mine, tasks, rouge_rows, folder, client)
-        for title, name in figures:
-            lines += [f"### {title}", "", f"![{title}]({dataset}/{name})", ""]
+        for title, filename in figures:
+            lines += [f"### {title}", "", f"![{title}]({dataset}/{filename})", ""]
         if skipped:
             lines += ["Notes on the figures:", ""] + [f"- {s}" for s in skipped] + [""]
         paired = paired_differences(tasks, mine, metric=metric)
         if paired:
             lines += ["### Paired differences", "",
                       f"{label(REFERENCE)} minus each baseline, seed by seed (the seeds share data splits), "
-                      f"in {name} ×100: mean ± paired 95% CI half-width (Student's t over the seeds both "
+                      f"in {metric_name} ×100: mean ± paired 95% CI half-width (Student's t over the seeds both "
                       "ran); * where the interval excludes 0.", "", paired_markdown(tasks, paired)]
         lines += ["### Training dynamics", "",
                   "Aggregation consistency Σ_k p_k ‖w_k − w^r‖ (lower: the clients' updates agree more) and the "
