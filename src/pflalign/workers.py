@@ -2,8 +2,8 @@
 
 Why: a round's clients are independent until the server aggregates them. On a
 CPU, two single-threaded processes each training its own client finish a
-FLAN round of SmolLM2 1.33× sooner than one process whose two threads split
-every operation (23.0 against 30.7 s for the 4 clients; benchmarks/README.md,
+FLAN round of SmolLM2 1.22× sooner than one process whose two threads split
+every operation (29.0 against 35.4 s for the 4 clients; benchmarks/README.md,
 "Clients side by side"). So with ``workers = N`` the engine hands its clients
 to N worker processes of one thread each.
 
