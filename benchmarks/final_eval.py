@@ -60,7 +60,7 @@ class ForwardTimer:
         model.forward = self.forward
 
     def forward(self, *args, **kwargs):
-        ids, cache = kwargs["input_ids"], kwargs.get("past_key_values")
+        ids, cache = kwargs["input_ids"], kwargs.get("cache", kwargs.get("past_key_values"))
         past = 0 if cache is None else cache.get_seq_length()
         tic = time.perf_counter()
         out = self.original(*args, **kwargs)

@@ -116,6 +116,28 @@ def _loop_ids(lm, prompts, max_new_tokens, batch_size=None, refill_at=0):
                       batch_size or len(prompts), refill_at=refill_at)
 
 
+def test_generation_passes_the_cache_under_the_name_this_transformers_release_takes(trained_lm):
+    """transformers 5.24 renamed forward's past_key_values to cache; the old name warns there
+    (and goes in 5.40). Generation must use whichever name the model's forward declares."""
+    lm = trained_lm
+    import inspect
+    import warnings
+
+    declared = inspect.signature(type(lm.model.get_base_model()).forward).parameters  # under PEFT's wrapper
+    seen = []
+    original = lm.model.forward
+    lm.model.forward = lambda *a, **k: seen.append({"cache", "past_key_values"} & set(k)) or original(*a, **k)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _loop_ids(lm, _prompts(lm), 6)
+    finally:
+        lm.model.forward = original
+    expected = "cache" if "cache" in declared else "past_key_values"
+    assert {expected} in seen and all(names <= {expected} for names in seen)  # a prefill without a cache passes none
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+
+
 def _in_batches(fn, lm, prompts, max_new_tokens, batch_size):
     return [a for s in range(0, len(prompts), batch_size) for a in fn(lm, prompts[s : s + batch_size], max_new_tokens)]
 
@@ -168,7 +190,8 @@ class _CountedForward:
         model.forward = self
 
     def __call__(self, *args, **kwargs):
-        self.decode_steps += kwargs["input_ids"].shape[1] == 1 and kwargs.get("past_key_values") is not None
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # the name depends on the transformers release
+        self.decode_steps += kwargs["input_ids"].shape[1] == 1 and cache is not None
         return self.original(*args, **kwargs)
 
     def close(self):

@@ -8,6 +8,7 @@ ROUGE-L is the F-measure of `rouge-score`'s ``rougeL`` with Porter stemming,
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from tqdm.auto import tqdm
@@ -81,6 +82,20 @@ class _Rows:
         self.prompts = self.prompts + other.prompts
 
 
+def _cache_arg(model) -> str:
+    """The name of forward's KV-cache argument: transformers 5.24 renamed past_key_values to cache
+    (the old name warns there, and is removed in 5.40); earlier 5.x know only past_key_values."""
+    # the transformers model's class (PEFT wraps it and passes keywords on; an instance's forward may
+    # be wrapped too: hooks, tests counting calls)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
+
+
+def _cache_of(out):
+    """The KV cache a forward returned, under either release's name (see `_cache_arg`)."""
+    return out.cache if "cache" in out else out.past_key_values
+
+
 def _shared_prefix(prompts: list[list[int]]) -> int:
     """How many leading tokens every prompt shares, leaving each at least one of its own (0 for
     fewer than two prompts)."""
@@ -115,6 +130,7 @@ def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max
     groups = [list(range(s, min(s + batch_size, len(prompts)))) for s in range(0, len(prompts), batch_size)]
     answers: list[list[int]] = [[] for _ in prompts]
     device = next(model.parameters()).device
+    cache_arg = _cache_arg(model)
 
     def took(rows: _Rows) -> _Rows | None:
         """Each row's new token into its answer; the rows that ended leave (None: none left)."""
@@ -133,8 +149,8 @@ def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max
     prefix = _shared_prefix(prompts)
     prefix_cache = None
     if prefix:  # the tokens every prompt starts with (a chat template's system prompt): computed once
-        prefix_cache = model(input_ids=torch.tensor([prompts[0][:prefix]], device=device), use_cache=True,
-                             logits_to_keep=1).past_key_values
+        prefix_cache = _cache_of(model(input_ids=torch.tensor([prompts[0][:prefix]], device=device),
+                                       use_cache=True, logits_to_keep=1))
     running: _Rows | None = None
     while groups or running is not None:
         while groups and (running is None or len(running.prompts) <= refill_at):
@@ -155,9 +171,9 @@ def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max
                 cache.batch_repeat_interleave(len(group))
             # generate drops an all-ones mask (attention then takes its unpadded, causal path): so do we
             mask = None if bool(mask.all()) else torch.cat([mask.new_ones(len(group), prefix), mask], dim=-1)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **{cache_arg: cache},
                         use_cache=True, logits_to_keep=1)  # logits of the last position only
-            fresh = took(_Rows(group, out.past_key_values, out.logits[:, -1].argmax(-1), positions[:, -1:], mask))
+            fresh = took(_Rows(group, _cache_of(out), out.logits[:, -1].argmax(-1), positions[:, -1:], mask))
             if fresh is not None and running is not None:
                 running.join(fresh)
             elif fresh is not None:
@@ -169,8 +185,8 @@ def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max
         if rows.mask is not None:
             rows.mask = torch.cat([rows.mask, rows.mask.new_ones(len(rows.prompts), 1)], dim=-1)
         out = model(input_ids=rows.tokens[:, None], attention_mask=rows.mask, position_ids=rows.positions,
-                    past_key_values=rows.cache, use_cache=True, logits_to_keep=1)
-        rows.cache, rows.tokens = out.past_key_values, out.logits[:, -1].argmax(-1)
+                    **{cache_arg: rows.cache}, use_cache=True, logits_to_keep=1)
+        rows.cache, rows.tokens = _cache_of(out), out.logits[:, -1].argmax(-1)
         running = took(rows)
     return answers
 
