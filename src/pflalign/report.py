@@ -498,8 +498,10 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
                       f"in {metric_name} ×100: mean ± paired 95% CI half-width (Student's t over the seeds both "
                       "ran); * where the interval excludes 0.", "", paired_markdown(tasks, paired)]
         lines += ["### Training dynamics", "",
-                  "Aggregation consistency Σ_k p_k ‖w_k − w^r‖ (lower: the clients' updates agree more) and the "
-                  "GSNR ratio ‖mean g‖² / Σ var(g) of the clients' local gradients, mean over seeds ± 95% CI "
+                  "Aggregation consistency Σ_k p_k ‖w_k − w^r‖ (the data-weighted size of the clients' updates: "
+                  "lower means they moved less from w^r, not that their directions agree) and the "
+                  "GSNR ratio ‖mean g‖² / Σ var(g) of the clients' local gradients along their own paths (it also "
+                  "rises as steps shrink), mean over seeds ± 95% CI "
                   "(docs/usage.md has the exact definitions).", "", dynamics_markdown(mine)]
         lines += ["### Run time", "", "Wall-clock seconds on the machine that made the runs (training per round "
                   "without the optional per-round evaluation; final evaluation of all clients).", "",
