@@ -1,6 +1,8 @@
 """Evaluation's generation: batching and the merged adapter change speed, never the text."""
 
 import contextlib
+import inspect
+import warnings
 
 import pytest
 import torch
@@ -120,9 +122,6 @@ def test_generation_passes_the_cache_under_the_name_this_transformers_release_ta
     """transformers 5.24 renamed forward's past_key_values to cache; the old name warns there
     (and goes in 5.40). Generation must use whichever name the model's forward declares."""
     lm = trained_lm
-    import inspect
-    import warnings
-
     declared = inspect.signature(type(lm.model.get_base_model()).forward).parameters  # under PEFT's wrapper
     seen = []
     original = lm.model.forward
