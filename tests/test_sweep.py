@@ -134,6 +134,24 @@ def test_dry_run_lists_runs_and_states(sweep_file, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_methods_keeps_part_of_a_preset_with_the_same_configs(tmp_path, capsys):
+    flan = tmp_path / "flan"
+    flan.mkdir()
+    whole = plan_sweep("table1-flan", tmp_path / "out", data_dir=str(flan))
+    part = plan_sweep("table1-flan", tmp_path / "out", data_dir=str(flan), methods=["pflalign", "local", "fedprox"])
+    assert [(r.method, r.seed) for r in part] == [(m, s) for m in ("fedprox", "local", "pflalign") for s in (0, 1, 2)]
+    same = {(r.method, r.seed): r.cfg for r in whole}
+    assert all(r.cfg == same[(r.method, r.seed)] for r in part)  # pFLAlign's beta and FedProx's mu kept
+    assert part[0].cfg.method_args == {"mu": 1.0} and part[-1].cfg.method_args["beta"] == 0.8
+    assert main(["sweep", "--config", "table1-flan", "--data-dir", str(flan), "--out", str(tmp_path / "o"),
+                 "--dry-run", "--methods", "local", "--seeds", "1"]) == 0
+    assert [l.split()[0] for l in capsys.readouterr().out.splitlines()] == ["flan/local/seed1"]
+    assert main(["sweep", "--config", "table1-flan", "--data-dir", str(flan), "--out", str(tmp_path / "o"),
+                 "--dry-run", "--methods", "local,fedgloss"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--methods fedgloss: choose among this sweep's methods: ffa-lora, " in err[0]
+
+
 def test_table1_presets_hold_the_paper_grid(tmp_path):
     flan = tmp_path / "flan"
     flan.mkdir()

@@ -74,10 +74,11 @@ def cmd_sweep(args) -> int:
             seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
         except ValueError:
             raise UserError(f"--seeds expects comma-separated integers, got {args.seeds!r}") from None
+    methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     runs = plan_sweep(args.config, Path(args.out), parse_set(args.set or []), args.data_dir, seeds,
-                      done=args.done or [])
+                      done=args.done or [], methods=methods)
     if args.dry_run:
         for r in runs:
             print(f"{r.key:<40} {r.state():<10} {r.out}")
@@ -155,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a run-config key in every run (repeatable)")
     sweep.add_argument("--data-dir", help="the dataset location (a sweep with one dataset)")
     sweep.add_argument("--seeds", metavar="S,S,...", help="replace the sweep's seeds, e.g. 0,1")
+    sweep.add_argument("--methods", metavar="M,M,...",
+                       help="run only these of the sweep's methods (their runs' configs unchanged), e.g. local,pflalign")
     sweep.add_argument("--dry-run", action="store_true", help="list the runs and their state, run nothing")
     sweep.add_argument("--done", action="append", metavar="DIR",
                        help="a folder of finished runs in the sweep's layout kept elsewhere (e.g. committed "

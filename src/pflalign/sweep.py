@@ -161,9 +161,10 @@ def _check_keys(table: dict, allowed: set, where: str) -> None:
 
 def plan_sweep(source: str, out: Path | str, overrides: dict | None = None,
                data_dir: str | None = None, seeds: list[int] | None = None,
-               done: list[Path | str] = ()) -> list[PlannedRun]:
+               done: list[Path | str] = (), methods: list[str] | None = None) -> list[PlannedRun]:
     """Every run of the sweep, with its config built and checked, in run order
-    (dataset, then method, then seed). `seeds` replaces the config's seeds;
+    (dataset, then method, then seed). `seeds` replaces the config's seeds; `methods`
+    keeps only those of the config's methods (each run's config unchanged);
     `done` lists folders of finished runs in the sweep's layout, kept elsewhere."""
     for folder in done:
         if not Path(folder).is_dir():
@@ -174,6 +175,15 @@ def plan_sweep(source: str, out: Path | str, overrides: dict | None = None,
     if seeds is not None:
         spec["seeds"] = seeds
     _check_keys(spec, SWEEP_KEYS, "sweep config")
+    if methods is not None:  # part of a sweep: its other methods' args and grids go with them
+        listed = _list_of(spec, "methods", str)
+        if not methods or (missing := [m for m in methods if m not in listed]):
+            raise UserError(f"--methods {','.join(missing) if methods else '(none)'}: choose among this sweep's "
+                            f"methods: {', '.join(listed)}")
+        spec["methods"] = [m for m in listed if m in methods]
+        for key in ("method_args", "grid"):
+            if isinstance(spec.get(key), dict):
+                spec[key] = {m: v for m, v in spec[key].items() if m in methods}
     methods = _list_of(spec, "methods", str)
     for m in methods:
         method_class(m)  # unknown name → UserError with a suggestion
