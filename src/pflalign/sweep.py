@@ -177,8 +177,9 @@ def plan_sweep(source: str, out: Path | str, overrides: dict | None = None,
     _check_keys(spec, SWEEP_KEYS, "sweep config")
     if methods is not None:  # part of a sweep: its other methods' args and grids go with them
         listed = _list_of(spec, "methods", str)
-        if not methods or (missing := [m for m in methods if m not in listed]):
-            raise UserError(f"--methods {','.join(missing) if methods else '(none)'}: choose among this sweep's "
+        missing = [m for m in methods if m not in listed]
+        if missing or not methods:
+            raise UserError(f"--methods {','.join(missing) or '(none)'}: choose among this sweep's "
                             f"methods: {', '.join(listed)}")
         spec["methods"] = [m for m in listed if m in methods]
         for key in ("method_args", "grid"):

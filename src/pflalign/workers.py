@@ -221,30 +221,28 @@ class Processes:
         finished: dict[int, object] = {}
         next_out = 0
 
-        def submit(conn) -> None:
-            open_ = [j for j in pending if j < next_out + window]
-            if open_:
+        def submit_to_idle() -> None:
+            """Each idle worker takes the costliest pending job within the window."""
+            for conn in self.conns:
+                open_ = [j for j in pending if j < next_out + window]
+                if conn in busy or not open_:
+                    continue
                 j = max(open_, key=lambda j: ((costs[j] if costs else 0.0), -j))  # ties: job order
                 pending.discard(j)
                 self._send(conn, ("job", jobs[j]))
                 busy[conn] = j
 
-        for conn in self.conns:
-            submit(conn)
+        submit_to_idle()
         for i in range(len(jobs)):
             while i not in finished:
                 for conn in wait(list(busy)):
                     finished[busy.pop(conn)] = self._receive(conn)
-                for conn in self.conns:  # idle ones (the window may have moved)
-                    if conn not in busy:
-                        submit(conn)
+                submit_to_idle()
             if not busy and not pending:  # every job is back: the workers are idle, whatever comes next
                 self.broken = False
             next_out = i + 1
             result = finished.pop(i)
-            for conn in self.conns:  # the window moved on by one
-                if conn not in busy:
-                    submit(conn)
+            submit_to_idle()  # the window moved on by one
             yield result
 
     def _send(self, conn, message) -> None:
