@@ -12,7 +12,8 @@ from pflalign import checkpoint as ckpt
 from pflalign.cli import main
 from pflalign.config import build_config
 from pflalign.engine import run
-from pflalign.report import _ranks, ci95_half_width, find_runs, method_order, paired_differences, t_quantile
+from pflalign.report import (Run, _ranks, ci95_half_width, divergence, find_runs, method_order, paired_differences,
+                             t_quantile)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = {
@@ -163,6 +164,46 @@ def test_malformed_metrics_skip_a_figure_with_a_note(sweep_dir, tmp_path):
     report = (tmp_path / "r" / "report.md").read_text()
     assert "Aggregation consistency over rounds: could not be drawn" in report
     assert (tmp_path / "r" / "synthetic" / "gsnr.png").exists()
+
+
+def _run_with_losses(losses_per_round):
+    """A Run whose metrics hold only train_step lines: round r's clients' step losses as given."""
+    metrics = [{"event": "train_step", "round": r, "client": k, "step": 0, "loss": loss}
+               for r, losses in enumerate(losses_per_round) for k, loss in enumerate(losses)]
+    return Run(None, "d", "fedavg", 0, {"clients": []}, {}, metrics)
+
+
+def test_divergence_is_the_last_round_above_twice_the_first_by_hand():
+    # round means 1.0, 0.5, 0.75, 1.5, 2.5: ends at 2.5 > 2 × 1.0; above 1.0 from round 4 (1-based) on
+    d = divergence(_run_with_losses([[0.5, 1.5], [0.5, 0.5], [0.5, 1.0], [1.0, 2.0], [2.0, 3.0]]))
+    assert (d.from_round, d.first_loss, d.last_loss) == (4, 1.0, 2.5)
+    # a blow-up that came back down, or ended at exactly twice the start, is not a diverged run
+    assert divergence(_run_with_losses([[1.0], [30.0], [0.6]])) is None
+    assert divergence(_run_with_losses([[1.0], [0.5], [2.0]])) is None
+    assert divergence(_run_with_losses([[1.0]])) is None  # one round: nothing to compare
+    # a non-finite loss line (a torn or hand-edited file) is skipped, not averaged in
+    assert divergence(_run_with_losses([[1.0, float("nan")], [0.5], [3.0]])).from_round == 3
+
+
+def test_a_diverged_run_is_marked_in_table_1_with_its_rounds(sweep_dir, tmp_path):
+    import shutil
+
+    root = tmp_path / "runs"
+    shutil.copytree(sweep_dir / "synthetic" / "fedavg", root / "synthetic" / "fedavg")
+    path = root / "synthetic" / "fedavg" / "seed1" / ckpt.METRICS
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    first = [m["loss"] for m in lines if m["event"] == "train_step" and m["round"] == 0]
+    for m in lines:  # the last round's losses: 10 × the first round's mean
+        if m["event"] == "train_step" and m["round"] == 1:
+            m["loss"] = 10 * sum(first) / len(first)
+    path.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    assert main(["report", str(root), "--out", str(tmp_path / "r")]) == 0
+    table = (tmp_path / "r" / "synthetic" / "table.md").read_text()
+    assert "| FedAvg † |" in table
+    assert f"- FedAvg seed 1: mean training loss {sum(first) / len(first):.3g} in round 1, above it from round 2 on" in table
+    assert "(10.0 ×)" in table and "seed 0:" not in table
+    assert "- FedAvg seed 1:" in (tmp_path / "r" / "report.md").read_text()
+    assert [r["diverged_seeds"] for r in csv.DictReader(open(tmp_path / "r" / "synthetic" / "table.csv"))] == ["1"]
 
 
 def test_report_without_runs_is_one_line_exit_2(tmp_path, capsys):

@@ -193,6 +193,58 @@ def find_runs(root: Path) -> tuple[list[Run], list[str]]:
     return runs, notes + _unfinished_notes(root)
 
 
+# ---- runs whose training diverged ---------------------------------------------
+@dataclass
+class Divergence:
+    """A run whose last round ended with more than DIVERGED_LOSS_RATIO × its first round's mean training loss."""
+
+    from_round: int  # 1-based (as the run's log): the first of the final rounds that stayed above round 1
+    first_loss: float
+    last_loss: float
+
+
+def round_losses(run: Run) -> list[float]:
+    """Mean training loss of each round over its clients' local steps, in round order."""
+    per_round: dict[int, list[float]] = {}
+    for m in run.events("train_step"):
+        if isinstance(m.get("round"), int) and _number(m.get("loss")):
+            per_round.setdefault(m["round"], []).append(m["loss"])
+    return [statistics.fmean(per_round[r]) for r in sorted(per_round)]
+
+
+DIVERGED_LOSS_RATIO = 2.0  # last round's mean training loss over the first round's, above which a run diverged
+
+
+def divergence(run: Run) -> Divergence | None:
+    """How the run diverged, or None when its last round's mean training loss is at most
+    DIVERGED_LOSS_RATIO × its first round's.
+
+    Why a ratio of 2: on FLAN at the paper's protocol (docs/results/table1-flan, tune-flan) healthy runs
+    end at 0.22–0.97 × their first round's loss and the diverged ones at 5.5–11.6 ×; a run that barely
+    learns (pFLAlign at β = 0.99, a 2-round toy) ends near 1 ×, above it by noise. The scores of a
+    diverged run are real, but they measure the blow-up."""
+    losses = round_losses(run)
+    if len(losses) < 2 or losses[-1] <= DIVERGED_LOSS_RATIO * losses[0]:
+        return None
+    start = len(losses) - 1
+    while start > 1 and losses[start - 1] > losses[0]:
+        start -= 1
+    return Divergence(start + 1, losses[0], losses[-1])
+
+
+def divergence_notes(runs: list[Run]) -> list[str]:
+    """One line per diverged run, in table order."""
+    notes = []
+    for method in method_order(r.method for r in runs):
+        for r in sorted((r for r in runs if r.method == method), key=lambda r: r.seed):
+            d = divergence(r)
+            if d is not None:
+                notes.append(f"{label(method)} seed {r.seed}: mean training loss {d.first_loss:.3g} in round 1, above "
+                             f"it from round {d.from_round} on, {d.last_loss:.3g} in the last round "
+                             f"({d.last_loss / d.first_loss:.1f} ×)")
+    return notes
+
+
 # ---- the table --------------------------------------------------------------
 @dataclass
 class Row:
@@ -202,6 +254,7 @@ class Row:
     cell_ci: dict[str, float | None]
     avg: float
     avg_ci: float | None
+    diverged_seeds: list[int] = field(default_factory=list)  # runs whose training diverged (`divergence`)
     family: str = field(init=False)
 
     def __post_init__(self):
@@ -249,6 +302,7 @@ def summarize(runs: list[Run], metric: str = "rouge_l") -> tuple[list[str], list
             {t: statistics.fmean(v) for t, v in per_task.items() if v},
             {t: ci95_half_width(v) for t, v in per_task.items() if v},
             statistics.fmean(avgs), ci95_half_width(avgs),
+            sorted(r.seed for r in mine if divergence(r) is not None),
         ))
     return tasks, rows
 
@@ -264,7 +318,8 @@ def _ranks(values: list[float | None]) -> list[int | None]:
 
 
 def table_markdown(tasks: list[str], rows: list[Row]) -> str:
-    """Table 1 in markdown: family headings, best per column bold, second underlined."""
+    """Table 1 in markdown: family headings, best per column bold, second underlined, † after a
+    method with a diverged run."""
     columns = [[row.cells.get(t) for row in rows] for t in tasks] + [[row.avg for row in rows]]
     ranks = [_ranks(col) for col in columns]
 
@@ -281,19 +336,20 @@ def table_markdown(tasks: list[str], rows: list[Row]) -> str:
         cells = [mark(f"{row.cells[t]:.2f}", ranks[j][i]) if t in row.cells else "–" for j, t in enumerate(tasks)]
         avg = f"{row.avg:.2f}" + (f" ± {row.avg_ci:.2f}" if row.avg_ci is not None else "")
         cells.append(mark(avg, ranks[-1][i]))
-        lines.append(f"| {label(row.method)} | " + " | ".join(cells) + " |")
+        dagger = " †" if row.diverged_seeds else ""
+        lines.append(f"| {label(row.method)}{dagger} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def write_table_csv(path: Path, tasks: list[str], rows: list[Row]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["method", "family", *tasks, "avg", "avg_ci95", "n_seeds", "seeds"])
+        w.writerow(["method", "family", *tasks, "avg", "avg_ci95", "n_seeds", "seeds", "diverged_seeds"])
         for row in rows:
             w.writerow([row.method, row.family,
                         *(f"{row.cells[t]:.4f}" if t in row.cells else "" for t in tasks),
                         f"{row.avg:.4f}", "" if row.avg_ci is None else f"{row.avg_ci:.4f}",
-                        len(row.seeds), " ".join(map(str, row.seeds))])
+                        len(row.seeds), " ".join(map(str, row.seeds)), " ".join(map(str, row.diverged_seeds))])
 
 
 def _seed_note(rows: list[Row]) -> str:
@@ -474,6 +530,12 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
         tasks, rows = summarize(mine, metric)
         many = len(tasks) > MAX_TABLE_CLIENTS
         table = table_markdown([] if many else tasks, rows)
+        diverged = divergence_notes(mine)
+        if diverged:
+            table += (f"\n† Diverged: the run's last round ended with more than {DIVERGED_LOSS_RATIO:g} × its first "
+                      "round's mean training loss; its scores measure the blow-up, not the method at a working "
+                      "setting.\n\n"
+                      + "".join(f"- {n}\n" for n in diverged))
         (folder / "table.md").write_text(table)
         write_table_csv(folder / "table.csv", tasks, rows)
         lines += [f"## {dataset}", "",
