@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import struct
+from pathlib import Path
 
 import pytest
 import scipy.stats
@@ -183,6 +184,14 @@ def test_divergence_is_the_last_round_above_twice_the_first_by_hand():
     assert divergence(_run_with_losses([[1.0]])) is None  # one round: nothing to compare
     # a non-finite loss line (a torn or hand-edited file) is skipped, not averaged in
     assert divergence(_run_with_losses([[1.0, float("nan")], [0.5], [3.0]])).from_round == 3
+
+
+def test_the_replaced_table1_values_diverged_and_the_committed_runs_did_not():
+    results = Path(__file__).resolve().parents[1] / "docs" / "results" / "table1-flan"
+    replaced, _ = find_runs(results / "diverged")
+    kept, _ = find_runs(results / "runs")
+    assert replaced and all(divergence(r) is not None for r in replaced)
+    assert kept and all(divergence(r) is None for r in kept)
 
 
 def test_a_diverged_run_is_marked_in_table_1_with_its_rounds(sweep_dir, tmp_path):

@@ -1,6 +1,7 @@
 """`pflalign sweep`: the grid, skipping finished runs, resuming an unfinished one, bad configs."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -150,6 +151,15 @@ def test_methods_keeps_part_of_a_preset_with_the_same_configs(tmp_path, capsys):
                  "--dry-run", "--methods", "local,fedgloss"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--methods fedgloss: choose among this sweep's methods: ffa-lora, " in err[0]
+
+
+def test_the_committed_table1_runs_are_finished_runs_of_the_preset(tmp_path):
+    # a preset value changed without moving the runs made with the old one would stop every resume
+    committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "table1-flan" / "runs"
+    found = {p.parent.relative_to(committed).as_posix() for p in committed.rglob(ckpt.RESULTS)}
+    (tmp_path / "flan").mkdir()
+    runs = plan_sweep("table1-flan", tmp_path / "out", data_dir=str(tmp_path / "flan"), done=[committed])
+    assert found and {r.key for r in runs if r.state() == "finished"} == found
 
 
 def test_table1_presets_hold_the_paper_grid(tmp_path):
