@@ -205,3 +205,28 @@ def test_results_split_the_evaluation_time_by_model(tmp_path, monkeypatch):
         assert set(by_model[-1]) == {"personalized", "global", "base"}
         assert 0 <= sum(by_model[-1].values()) <= results["seconds_eval"]
     assert by_model[1]["base"] < by_model[0]["base"]
+
+
+def test_a_round_past_twice_round_1s_loss_warns_once_also_after_a_resume(tmp_path, caplog):
+    import logging
+
+    from pflalign.client import ClientRound
+    from pflalign.lifecycle import RoundRecord
+
+    cfg = tiny_config(rounds=6)
+    losses = [1.0, 0.5, 2.0, 2.5, 0.4, 3.0]  # round means; 2.0 is not past 2 × 1.0, 2.5 is
+
+    def train(rec, start, end):
+        def train_round(r):
+            return RoundRecord([0], [ClientRound({}, {}, [losses[r]], None, None, 0.0, 0.0)], [1.0])
+        rec.open(rec.config(cfg))
+        rec.train(cfg, start, end, train_round, lambda r: None, lambda: {}, lambda *a: None)
+        rec.close()
+
+    with caplog.at_level(logging.WARNING, logger="pflalign.lifecycle"):
+        train(Recorder(tmp_path, resume=False, overwrite=False), 0, 3)
+        assert not caplog.records
+        train(Recorder(tmp_path, resume=True, overwrite=False), 3, 6)  # round 1's loss read back from metrics
+    assert [r.getMessage() for r in caplog.records] == [
+        "round 4: mean training loss 2.5 is 2.5 × round 1's (1): the run is diverging (a smaller lr or server "
+        "step may hold it; pflalign report marks a run that ends so)"]

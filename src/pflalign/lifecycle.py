@@ -31,6 +31,12 @@ from .errors import UserError
 
 log = logging.getLogger(__name__)
 
+# A run whose mean training loss passes this multiple of its first round's has diverged: on FLAN at
+# the paper's protocol healthy runs end at 0.22–0.97 × round 1's loss, the diverged ones at 5.5–11.6 ×
+# (docs/results/table1-flan). `Recorder.train` warns when a round passes it; `pflalign report` marks
+# a run whose last round ends above it.
+DIVERGED_LOSS_RATIO = 2.0
+
 
 # ---- the run folder -------------------------------------------------------------
 def prepare_run_dir(out: Path, resume: bool, overwrite: bool) -> bool:
@@ -123,6 +129,20 @@ def client_row(k: int, name: str, n_train: int, n_test: int, personalized: float
             "rouge_l_global": global_, "rouge_l_base": base}
 
 
+def _first_round_loss(metrics: Path) -> float | None:
+    """Round 1's mean training loss from a run's metrics.jsonl, None when it has no such line."""
+    with open(metrics, "rb") as f:  # line by line: round 0's line comes early in a file that may be large
+        for line in f:
+            try:
+                row = json.loads(line.decode("utf-8", errors="replace"))
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and row.get("event") == "round" and row.get("round") == 0:
+                loss = row.get("mean_loss")
+                return float(loss) if isinstance(loss, (int, float)) else None
+    return None
+
+
 @dataclass
 class RoundRecord:
     """What one round produced, as an engine hands it to the recorder."""
@@ -148,6 +168,8 @@ class Recorder:
         self.metrics: ckpt.MetricsLog | None = None
         self.saved = (0, 0)  # (rounds done, metrics offset) of the newest checkpoint on disk
         self.in_round: int | None = None  # the round being trained, for an interrupt's message
+        self.first_loss: float | None = None  # round 1's mean training loss (read back on resume)
+        self.warned_diverging = False
 
     def config(self, cfg: RunConfig) -> RunConfig:
         """The run's config: `cfg` for a fresh run, the saved one when resuming."""
@@ -161,6 +183,7 @@ class Recorder:
         if self.resuming:
             self.saved = (self.checkpoint["rounds_done"], self.checkpoint["metrics_offset"])
             self.metrics = ckpt.MetricsLog(self.out / ckpt.METRICS, resume_offset=self.saved[1])
+            self.first_loss = _first_round_loss(self.out / ckpt.METRICS)
             log.info("resuming %s after round %d of %d", self.out, self.saved[0], cfg.rounds)
         else:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -228,12 +251,25 @@ class Recorder:
             rec = train_round(r)
             seconds = time.perf_counter() - tic
             mean_loss = self.round_line(r, seconds, rec)
+            self._watch_loss(r, mean_loss)
             if cfg.eval.every and (r + 1) % cfg.eval.every == 0:
                 round_eval(r)
             save(r + 1, payload())
             after(r, mean_loss, seconds)
         self.in_round = None
         return end
+
+    def _watch_loss(self, r: int, mean_loss: float) -> None:
+        """Warn, once a session, when a round's mean training loss passes DIVERGED_LOSS_RATIO × round
+        1's: a 50-round run can break late (FedDyn in round 44), and its log is where one looks."""
+        if r == 0:
+            self.first_loss = mean_loss
+        elif (self.first_loss is not None and not self.warned_diverging
+              and mean_loss > DIVERGED_LOSS_RATIO * self.first_loss):
+            self.warned_diverging = True
+            log.warning("round %d: mean training loss %.3g is %.1f × round 1's (%.3g): the run is diverging "
+                        "(a smaller lr or server step may hold it; pflalign report marks a run that ends so)",
+                        r + 1, mean_loss, mean_loss / self.first_loss, self.first_loss)
 
     # ---- the end ----------------------------------------------------------------------
     def finish(self, results: dict, train_seconds: float, eval_seconds: float,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from . import checkpoint as ckpt
 from .errors import UserError
+from .lifecycle import DIVERGED_LOSS_RATIO
 from .methods import FAMILIES, family, label, method_order  # noqa: F401  (FAMILIES: the table's row groups)
 
 
@@ -212,15 +213,11 @@ def round_losses(run: Run) -> list[float]:
     return [statistics.fmean(per_round[r]) for r in sorted(per_round)]
 
 
-DIVERGED_LOSS_RATIO = 2.0  # last round's mean training loss over the first round's, above which a run diverged
-
-
 def divergence(run: Run) -> Divergence | None:
     """How the run diverged, or None when its last round's mean training loss is at most
     DIVERGED_LOSS_RATIO × its first round's.
 
-    Why a ratio of 2: on FLAN at the paper's protocol (docs/results/table1-flan, tune-flan) healthy runs
-    end at 0.22–0.97 × their first round's loss and the diverged ones at 5.5–11.6 ×; a run that barely
+    Why a ratio (2, lifecycle.py says where it comes from) and not "above round 1": a run that barely
     learns (pFLAlign at β = 0.99, a 2-round toy) ends near 1 ×, above it by noise. The scores of a
     diverged run are real, but they measure the blow-up."""
     losses = round_losses(run)
