@@ -167,23 +167,22 @@ def test_malformed_metrics_skip_a_figure_with_a_note(sweep_dir, tmp_path):
     assert (tmp_path / "r" / "synthetic" / "gsnr.png").exists()
 
 
-def _run_with_losses(losses_per_round):
-    """A Run whose metrics hold only train_step lines: round r's clients' step losses as given."""
-    metrics = [{"event": "train_step", "round": r, "client": k, "step": 0, "loss": loss}
-               for r, losses in enumerate(losses_per_round) for k, loss in enumerate(losses)]
+def _run_with_losses(losses):
+    """A Run whose metrics hold only `round` lines with these mean losses, written out of order."""
+    metrics = [{"event": "round", "round": r, "mean_loss": loss} for r, loss in reversed(list(enumerate(losses)))]
     return Run(None, "d", "fedavg", 0, {"clients": []}, {}, metrics)
 
 
 def test_divergence_is_the_last_round_above_twice_the_first_by_hand():
-    # round means 1.0, 0.5, 0.75, 1.5, 2.5: ends at 2.5 > 2 × 1.0; above 1.0 from round 4 (1-based) on
-    d = divergence(_run_with_losses([[0.5, 1.5], [0.5, 0.5], [0.5, 1.0], [1.0, 2.0], [2.0, 3.0]]))
+    # ends at 2.5 > 2 × 1.0; above 1.0 from round 4 (1-based) on
+    d = divergence(_run_with_losses([1.0, 0.5, 0.75, 1.5, 2.5]))
     assert (d.from_round, d.first_loss, d.last_loss) == (4, 1.0, 2.5)
     # a blow-up that came back down, or ended at exactly twice the start, is not a diverged run
-    assert divergence(_run_with_losses([[1.0], [30.0], [0.6]])) is None
-    assert divergence(_run_with_losses([[1.0], [0.5], [2.0]])) is None
-    assert divergence(_run_with_losses([[1.0]])) is None  # one round: nothing to compare
-    # a non-finite loss line (a torn or hand-edited file) is skipped, not averaged in
-    assert divergence(_run_with_losses([[1.0, float("nan")], [0.5], [3.0]])).from_round == 3
+    assert divergence(_run_with_losses([1.0, 30.0, 0.6])) is None
+    assert divergence(_run_with_losses([1.0, 0.5, 2.0])) is None
+    assert divergence(_run_with_losses([1.0])) is None  # one round: nothing to compare
+    # a round line without a finite loss (a hand-edited file) is skipped
+    assert divergence(_run_with_losses([1.0, float("nan"), 0.5, 3.0])).from_round == 4
 
 
 def test_the_replaced_table1_values_diverged_and_the_committed_runs_did_not():
@@ -201,15 +200,15 @@ def test_a_diverged_run_is_marked_in_table_1_with_its_rounds(sweep_dir, tmp_path
     shutil.copytree(sweep_dir / "synthetic" / "fedavg", root / "synthetic" / "fedavg")
     path = root / "synthetic" / "fedavg" / "seed1" / ckpt.METRICS
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    first = [m["loss"] for m in lines if m["event"] == "train_step" and m["round"] == 0]
-    for m in lines:  # the last round's losses: 10 × the first round's mean
-        if m["event"] == "train_step" and m["round"] == 1:
-            m["loss"] = 10 * sum(first) / len(first)
+    first = next(m["mean_loss"] for m in lines if m["event"] == "round" and m["round"] == 0)
+    for m in lines:  # the last round's mean loss: 10 × the first round's
+        if m["event"] == "round" and m["round"] == 1:
+            m["mean_loss"] = 10 * first
     path.write_text("".join(json.dumps(m) + "\n" for m in lines))
     assert main(["report", str(root), "--out", str(tmp_path / "r")]) == 0
     table = (tmp_path / "r" / "synthetic" / "table.md").read_text()
     assert "| FedAvg † |" in table
-    assert f"- FedAvg seed 1: mean training loss {sum(first) / len(first):.3g} in round 1, above it from round 2 on" in table
+    assert f"- FedAvg seed 1: mean training loss {first:.3g} in round 1, above it from round 2 on" in table
     assert "(10.0 ×)" in table and "seed 0:" not in table
     assert "- FedAvg seed 1:" in (tmp_path / "r" / "report.md").read_text()
     assert [r["diverged_seeds"] for r in csv.DictReader(open(tmp_path / "r" / "synthetic" / "table.csv"))] == ["1"]

@@ -204,13 +204,12 @@ class Divergence:
     last_loss: float
 
 
-def round_losses(run: Run) -> list[float]:
-    """Mean training loss of each round over its clients' local steps, in round order."""
-    per_round: dict[int, list[float]] = {}
-    for m in run.events("train_step"):
-        if isinstance(m.get("round"), int) and _number(m.get("loss")):
-            per_round.setdefault(m["round"], []).append(m["loss"])
-    return [statistics.fmean(per_round[r]) for r in sorted(per_round)]
+def round_losses(run: Run) -> list[tuple[int, float]]:
+    """(round, mean training loss) from the run's `round` lines (the mean over its clients' local
+    steps), in round order; rounds are 0-based, as in metrics.jsonl."""
+    rounds = {m["round"]: m["mean_loss"] for m in run.events("round")
+              if isinstance(m.get("round"), int) and _number(m.get("mean_loss"))}
+    return sorted(rounds.items())
 
 
 def divergence(run: Run) -> Divergence | None:
@@ -220,13 +219,14 @@ def divergence(run: Run) -> Divergence | None:
     Why a ratio (2, lifecycle.py says where it comes from) and not "above round 1": a run that barely
     learns (pFLAlign at β = 0.99, a 2-round toy) ends near 1 ×, above it by noise. The scores of a
     diverged run are real, but they measure the blow-up."""
-    losses = round_losses(run)
-    if len(losses) < 2 or losses[-1] <= DIVERGED_LOSS_RATIO * losses[0]:
+    rounds = round_losses(run)
+    if len(rounds) < 2 or rounds[-1][1] <= DIVERGED_LOSS_RATIO * rounds[0][1]:
         return None
-    start = len(losses) - 1
-    while start > 1 and losses[start - 1] > losses[0]:
+    first = rounds[0][1]
+    start = len(rounds) - 1
+    while start > 1 and rounds[start - 1][1] > first:
         start -= 1
-    return Divergence(start + 1, losses[0], losses[-1])
+    return Divergence(rounds[start][0] + 1, first, rounds[-1][1])
 
 
 def divergence_notes(runs: list[Run]) -> list[str]:
