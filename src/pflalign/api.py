@@ -96,12 +96,7 @@ def load_run(path: str | Path) -> Run:
     if not (path / ckpt.RESULTS).exists():
         raise UserError(f"{path} holds no finished run (no {ckpt.RESULTS})")
     cfg = build_config(None, json.loads((path / ckpt.CONFIG).read_text()))
-    metrics = []
-    for line in (path / ckpt.METRICS).read_text().splitlines():
-        try:
-            metrics.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    metrics = list(ckpt.metrics_rows(path / ckpt.METRICS))
     rounds = [m for m in metrics if m.get("event") == "round"]
     return Run(path, cfg, json.loads((path / ckpt.RESULTS).read_text()), rounds, metrics,
                run_adapter_folders(path))

@@ -449,6 +449,19 @@ def _verify_metrics(out: Path, payload: dict) -> None:
                         "is not a line of that round; the file was changed; restore it or start again with --overwrite")
 
 
+def metrics_rows(path: Path):
+    """The JSON objects of a `metrics.jsonl`, one line at a time; a torn or undecodable line is
+    skipped (the rest is still good)."""
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                row = json.loads(line.decode("utf-8", errors="replace"))
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                yield row
+
+
 class MetricsLog:
     """Append-only `metrics.jsonl`. The byte offset after each finished round
     is stored in the checkpoint, so a resumed run first cuts away the lines of

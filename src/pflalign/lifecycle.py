@@ -15,7 +15,6 @@ checkpoint holds.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -131,15 +130,10 @@ def client_row(k: int, name: str, n_train: int, n_test: int, personalized: float
 
 def _first_round_loss(metrics: Path) -> float | None:
     """Round 1's mean training loss from a run's metrics.jsonl, None when it has no such line."""
-    with open(metrics, "rb") as f:  # line by line: round 0's line comes early in a file that may be large
-        for line in f:
-            try:
-                row = json.loads(line.decode("utf-8", errors="replace"))
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and row.get("event") == "round" and row.get("round") == 0:
-                loss = row.get("mean_loss")
-                return float(loss) if isinstance(loss, (int, float)) else None
+    for row in ckpt.metrics_rows(metrics):  # lazily: round 0's line comes early in a file that may be large
+        if row.get("event") == "round" and row.get("round") == 0:
+            loss = row.get("mean_loss")
+            return float(loss) if isinstance(loss, (int, float)) else None
     return None
 
 

@@ -96,18 +96,6 @@ class Run:
         return [m for m in self.metrics if m.get("event") == event]
 
 
-def _read_metrics(path: Path) -> list[dict]:
-    rows = []
-    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line; the rest is still good
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -190,7 +178,7 @@ def find_runs(root: Path) -> tuple[list[Run], list[str]]:
         if in_layout:
             method = rel[-2]  # a sweep's grid point keeps its own row
         dataset = rel[-3] if in_layout else results.get("dataset", "runs")
-        runs.append(Run(d, dataset, method, seed, results, config, _read_metrics(d / ckpt.METRICS)))
+        runs.append(Run(d, dataset, method, seed, results, config, list(ckpt.metrics_rows(d / ckpt.METRICS))))
     return runs, notes + _unfinished_notes(root)
 
 
