@@ -62,9 +62,10 @@ SWEEP_PRESETS: dict[str, dict] = {
                     "datasets": [{"name": "flan", "config": "flan-paper"}],
                     # chosen by the `tune-flan` sweep on FLAN's validation split (docs/methods.md,
                     # docs/results/tune-flan), then kept only if seed 0 at this protocol does not
-                    # diverge. FedDyn α = 0.01 and FedYogi (0.1, 1e-3) diverged at 50 rounds; these
-                    # are the next values in validation order (docs/results/table1-flan/diverged)
-                    "method_args": {"fedprox": {"mu": 1.0}, "fedsam": {"rho": 0.5}, "feddyn": {"alpha": 0.001},
+                    # diverge. FedDyn α = 0.01, then 0.001, and FedYogi (0.1, 1e-3) diverged at 50
+                    # rounds; these are the next values in validation order
+                    # (docs/results/table1-flan/diverged)
+                    "method_args": {"fedprox": {"mu": 1.0}, "fedsam": {"rho": 0.5}, "feddyn": {"alpha": 0.1},
                                     "fedyogi": {"server_lr": 0.01, "tau": 1e-3}, "pflalign": {"beta": 0.8}}},
     "table1-dolly": {"methods": TABLE1_METHODS, "seeds": [0, 1, 2],
                      "datasets": [{"name": "dolly", "config": "dolly-paper"}]},
