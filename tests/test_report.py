@@ -135,6 +135,27 @@ def test_paired_differences_by_hand(sweep_dir, tmp_path):
     assert "### Training dynamics" in report and "| pFLAlign | " in report
 
 
+def test_paired_against_another_method_by_hand(sweep_dir, tmp_path, capsys):
+    """`--paired fedavg`: FedAvg minus each other method, in the order asked, before pFLAlign's table."""
+    assert main(["report", str(sweep_dir), "--out", str(tmp_path), "--paired", "fedavg", "--paired", "pflalign"]) == 0
+    report = (tmp_path / "report.md").read_text()
+    fedavg_at, pflalign_at = report.index("### Paired differences against FedAvg"), report.index("### Paired differences\n")
+    assert fedavg_at < pflalign_at
+    against_fedavg = report[fedavg_at:pflalign_at]
+    assert "| FedAvg − | seeds | arithmetic | sorting | Avg |" in against_fedavg
+    # FedAvg − FFA-LoRA, seed 0: arithmetic 10−5, sorting 40−45, avg 25−25
+    assert "| FFA-LoRA | 1 | +5.00 | -5.00 | +0.00 |" in against_fedavg
+    # FedAvg − pFLAlign per seed: arithmetic 10−30, 20−34; sorting 40−20, 50−22; avg 25−25, 35−28
+    half = ci95_half_width([-20.0, -14.0])
+    assert f"| pFLAlign | 2 | -17.00 ± {half:.2f} |" in against_fedavg
+    assert f"+3.50 ± {ci95_half_width([0.0, 7.0]):.2f} |" in against_fedavg
+    assert "| FedAvg | 2 | +17.00 ± " in report[pflalign_at:]  # pFLAlign's own table as before
+
+    assert main(["report", str(sweep_dir), "--out", str(tmp_path / "r"), "--paired", "fedsam"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--paired fedsam: no finished run of it" in err and "fedavg" in err
+
+
 def test_grid_points_of_a_method_get_their_own_rows(sweep_dir, tmp_path):
     import shutil
 

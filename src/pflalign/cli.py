@@ -101,7 +101,8 @@ def cmd_sweep(args) -> int:
 def cmd_report(args) -> int:
     from .report import write_report
 
-    print(write_report(Path(args.dir), Path(args.out), client=args.client, metric=args.metric))
+    paired = tuple(args.paired) if args.paired else None
+    print(write_report(Path(args.dir), Path(args.out), client=args.client, metric=args.metric, paired_against=paired))
     return 0
 
 
@@ -172,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--client", metavar="TASK", help="client of the GSNR and loss figures (default: structure_to_text, else the first)")
     report.add_argument("--metric", choices=("rouge_l", "exact_match"), default="rouge_l",
                         help="the tables' score (default rouge_l; exact_match: normalised, for short-label tasks)")
+    report.add_argument("--paired", action="append", metavar="METHOD",
+                        help="a table of METHOD minus each other method, seed by seed (repeatable; default pflalign)")
     report.set_defaults(func=cmd_report)
 
     methods = sub.add_parser("methods", help="list the available methods")

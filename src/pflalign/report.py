@@ -488,9 +488,12 @@ def dynamics_markdown(runs: list[Run]) -> str:
 
 
 # ---- the report -------------------------------------------------------------
-def write_report(root: Path | str, out: Path | str, client: str | None = None, metric: str = "rouge_l") -> Path:
+def write_report(root: Path | str, out: Path | str, client: str | None = None, metric: str = "rouge_l",
+                 paired_against: tuple[str, ...] | None = None) -> Path:
     """Tables and figures for every dataset under `root` into `out`; returns report.md. The tables
-    and paired differences show `metric` (rouge_l or exact_match); the figures are ROUGE-L."""
+    and paired differences show `metric` (rouge_l or exact_match); the figures are ROUGE-L.
+    `paired_against`: the methods that each get a table of paired differences (that method minus
+    each other one), each of them with a finished run under `root`; None: pFLAlign, where it ran."""
     if metric not in METRICS:
         raise UserError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
     metric_name = METRICS[metric]
@@ -505,6 +508,10 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
     if not runs:
         left = f"; left out: {len(notes)} ({notes[0]}{', ...' if len(notes) > 1 else ''})" if notes else ""
         raise UserError(f"no finished runs (results.json + metrics.jsonl + config.json) under {root}{left}")
+    present = method_order(r.method for r in runs)
+    absent = [m for m in paired_against or () if m not in present]
+    if absent:
+        raise UserError(f"--paired {absent[0]}: no finished run of it under {root}; there are {', '.join(present)}")
     if metric == "exact_match":
         runs = [with_exact_match(r) for r in runs]
     lines = ["# pflalign report", "", f"{len(runs)} finished runs under `{root}`.", ""]
@@ -538,12 +545,14 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
             lines += [f"### {title}", "", f"![{title}]({dataset}/{filename})", ""]
         if skipped:
             lines += ["Notes on the figures:", ""] + [f"- {s}" for s in skipped] + [""]
-        paired = paired_differences(tasks, mine, metric=metric)
-        if paired:
-            lines += ["### Paired differences", "",
-                      f"{label(REFERENCE)} minus each baseline, seed by seed (the seeds share data splits), "
-                      f"in {metric_name} ×100: mean ± paired 95% CI half-width (Student's t over the seeds both "
-                      "ran); * where the interval excludes 0.", "", paired_markdown(tasks, paired)]
+        for reference in dict.fromkeys(paired_against or (REFERENCE,)):
+            paired = paired_differences(tasks, mine, reference, metric)
+            if paired:
+                title = "Paired differences" + ("" if reference == REFERENCE else f" against {label(reference)}")
+                lines += [f"### {title}", "",
+                          f"{label(reference)} minus each other method, seed by seed (the seeds share data splits), "
+                          f"in {metric_name} ×100: mean ± paired 95% CI half-width (Student's t over the seeds both "
+                          "ran); * where the interval excludes 0.", "", paired_markdown(tasks, paired, reference)]
         lines += ["### Training dynamics", "",
                   "Aggregation consistency Σ_k p_k ‖w_k − w^r‖ (the data-weighted size of the clients' updates: "
                   "lower means they moved less from w^r, not that their directions agree) and the "
