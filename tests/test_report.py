@@ -13,7 +13,7 @@ from pflalign import checkpoint as ckpt
 from pflalign.cli import main
 from pflalign.config import build_config
 from pflalign.engine import run
-from pflalign.report import (Run, _ranks, ci95_half_width, divergence, find_runs, method_order, paired_differences,
+from pflalign.report import (Run, _ranks, ci95_half_width, client_gsnr_markdown, divergence, find_runs, method_order, paired_differences,
                              t_quantile)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -154,6 +154,35 @@ def test_paired_against_another_method_by_hand(sweep_dir, tmp_path, capsys):
     assert main(["report", str(sweep_dir), "--out", str(tmp_path / "r"), "--paired", "fedsam"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--paired fedsam: no finished run of it" in err and "fedavg" in err
+
+
+def test_client_gsnr_rounds_1_10_and_last_by_hand(sweep_dir, tmp_path):
+    """The GSNR ratio of the figure's client in rounds 1, 10 and the last, and its rise from 1 to 10."""
+    import shutil
+
+    root = tmp_path / "runs"
+    for method in ("fedavg", "pflalign"):
+        shutil.copytree(sweep_dir / "synthetic" / method, root / "synthetic" / method)
+    for path in root.rglob(ckpt.METRICS):
+        seed = int(path.parent.name.removeprefix("seed"))
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        cid = next(c["id"] for c in json.loads((path.parent / ckpt.RESULTS).read_text())["clients"]
+                   if c["task"] == "sorting")
+        lines = [m for m in lines if not (m["event"] == "client_round" and m["client"] == cid)]
+        # 12 rounds (0-based 0..11); ratio = round + seed (+ 20 for pFLAlign), another client at 1000
+        offset = 20 if path.parts[-3] == "pflalign" else 0
+        lines += [{"event": "client_round", "round": n, "client": cid, "gsnr_ratio": n + seed + offset}
+                  for n in range(12)]
+        lines += [{"event": "client_round", "round": n, "client": 1 - cid, "gsnr_ratio": 1000.0} for n in range(12)]
+        path.write_text("".join(json.dumps(m) + "\n" for m in lines))
+    runs, _ = find_runs(root)
+    table = client_gsnr_markdown(runs, "sorting")
+    # FedAvg seeds 0, 1: round 1 (0-based 0) 0 and 1, round 10 9 and 10, last (0-based 11) 11 and 12
+    ci = ci95_half_width([0.0, 1.0])
+    assert f"| FedAvg | 0.5 ± {ci:.2g} | 9.5 ± {ci:.2g} | 11.5 ± {ci:.2g} | 9 ± 0 |" in table
+    assert f"| pFLAlign | 20.5 ± {ci:.2g} | 29.5 ± {ci:.2g} | 31.5 ± {ci:.2g} | 9 ± 0 |" in table
+    assert main(["report", str(root), "--out", str(tmp_path / "r"), "--client", "sorting"]) == 0
+    assert "GSNR ratio of client sorting (the GSNR figure's)" in (tmp_path / "r" / "report.md").read_text()
 
 
 def test_grid_points_of_a_method_get_their_own_rows(sweep_dir, tmp_path):

@@ -471,19 +471,46 @@ def dynamics_markdown(runs: list[Run]) -> str:
                 "gsnr_first": statistics.fmean(first) if first else None,
                 "gsnr_last": statistics.fmean(last) if last else None}
 
-    def cell(values: list) -> str:
-        values = [v for v in values if v is not None]
-        if not values:
-            return "–"
-        ci = ci95_half_width(values)
-        return f"{statistics.fmean(values):.3g}" + (f" ± {ci:.2g}" if ci is not None else "")
-
     keys = ["cons_last", "cons_mean", "gsnr_first", "gsnr_last"]
     lines = ["| Method | consistency, last round | consistency, mean over rounds | GSNR ratio, first round "
              "| GSNR ratio, last round |", "| :-- | --: | --: | --: | --: |"]
     for method in method_order(r.method for r in runs):
         stats = [per_run(r) for r in runs if r.method == method]
-        lines.append(f"| {label(method)} | " + " | ".join(cell([s[k] for s in stats]) for k in keys) + " |")
+        lines.append(f"| {label(method)} | " + " | ".join(_mean_cell([s[k] for s in stats]) for k in keys) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _mean_cell(values: list) -> str:
+    """Mean over seeds, 3 significant digits, ± the 95% CI half-width; – without values."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "–"
+    ci = ci95_half_width(values)
+    return f"{statistics.fmean(values):.3g}" + (f" ± {ci:.2g}" if ci is not None else "")
+
+
+GSNR_RISE_ROUND = 10  # "pFLAlign's GSNR rises fastest" is read as the change from round 1 to this one
+
+
+def client_gsnr_markdown(runs: list[Run], task: str) -> str:
+    """Per method, the GSNR ratio of one client (the GSNR figure's) in round 1, round
+    GSNR_RISE_ROUND and the last round (1-based), and its change from round 1 to GSNR_RISE_ROUND:
+    means over seeds ± 95% CI."""
+
+    def per_run(r: Run) -> dict:
+        cid = next((c["id"] for c in r.results["clients"] if c["task"] == task), None)
+        ratio = {m["round"] + 1: m["gsnr_ratio"] for m in r.events("client_round")
+                 if m.get("client") == cid and "round" in m and _number(m.get("gsnr_ratio"))}
+        first, rise = ratio.get(1), ratio.get(GSNR_RISE_ROUND)
+        return {"first": first, "rise_round": rise, "last": ratio[max(ratio)] if ratio else None,
+                "change": rise - first if first is not None and rise is not None else None}
+
+    keys = ["first", "rise_round", "last", "change"]
+    lines = [f"| Method | round 1 | round {GSNR_RISE_ROUND} | last round | change, round 1 → {GSNR_RISE_ROUND} |",
+             "| :-- | --: | --: | --: | --: |"]
+    for method in method_order(r.method for r in runs):
+        stats = [per_run(r) for r in runs if r.method == method]
+        lines.append(f"| {label(method)} | " + " | ".join(_mean_cell([s[k] for s in stats]) for k in keys) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -497,7 +524,7 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
     if metric not in METRICS:
         raise UserError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
     metric_name = METRICS[metric]
-    from .figures import write_figures  # figures read the rows this module computes
+    from .figures import DEFAULT_CLIENT, write_figures  # figures read the rows this module computes
 
     root, out = Path(root), Path(out)
     if not root.is_dir():
@@ -559,6 +586,9 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
                   "GSNR ratio ‖mean g‖² / Σ var(g) of the clients' local gradients along their own paths (it also "
                   "rises as steps shrink), mean over seeds ± 95% CI "
                   "(docs/usage.md has the exact definitions).", "", dynamics_markdown(mine)]
+        gsnr_client = client if client in tasks else (DEFAULT_CLIENT if DEFAULT_CLIENT in tasks else tasks[0])
+        lines += [f"GSNR ratio of client {gsnr_client} (the GSNR figure's), mean over seeds ± 95% CI:", "",
+                  client_gsnr_markdown(mine, gsnr_client)]
         lines += ["### Run time", "", "Wall-clock seconds on the machine that made the runs (training per round "
                   "without the optional per-round evaluation; final evaluation of all clients).", "",
                   cost_markdown(mine)]
