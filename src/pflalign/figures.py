@@ -23,10 +23,10 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .methods import FAMILIES, family, label, method_order  # noqa: E402
 
-if TYPE_CHECKING:  # the rows and runs `report` hands in; no import at run time (report imports figures)
-    from .report import Row, Run
+from .report import figure_client  # noqa: E402  (report imports this module only inside write_report)
 
-DEFAULT_CLIENT = "structure_to_text"  # the client of the paper's GSNR figure (FLAN)
+if TYPE_CHECKING:  # the rows and runs `report` hands in
+    from .report import Row, Run
 
 DPI = 150
 _KNOWN = [m for _, members in FAMILIES for m in members if m != "pflalign"]
@@ -60,10 +60,6 @@ def _mean_curve(runs: list[Run], points) -> tuple[list, list]:
 def _moving_mean(xs: list, ys: list, window: int) -> tuple[list, list]:
     """Trailing mean over `window` points (from the window-th point on): a readable loss curve."""
     return xs[window - 1:], [statistics.fmean(ys[i - window + 1:i + 1]) for i in range(window - 1, len(ys))]
-
-
-def _client_id(run: Run, task: str) -> int | None:
-    return next((c["id"] for c in run.results["clients"] if c["task"] == task), None)
 
 
 def _line_figure(path: Path, by_method: dict, panels: list[tuple], xlabel: str, title: str,
@@ -190,11 +186,11 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
         skipped.append(f"client {client!r} is not in this dataset ({', '.join(tasks)}); "
                        f"the per-client figures use the default instead")
         client = None
-    task = client or (DEFAULT_CLIENT if DEFAULT_CLIENT in tasks else tasks[0])
+    task = figure_client(tasks, client)
 
     def of_client(event: str, key: str, x):
         def points(r: Run) -> dict:
-            cid = _client_id(r, task)
+            cid = r.client_id(task)
             return {x(r, m): m.get(key) for m in r.events(event) if m.get("client") == cid}
         return points
 

@@ -95,6 +95,20 @@ class Run:
     def events(self, event: str) -> list[dict]:
         return [m for m in self.metrics if m.get("event") == event]
 
+    def client_id(self, task: str) -> int | None:
+        return next((c["id"] for c in self.results["clients"] if c["task"] == task), None)
+
+
+DEFAULT_CLIENT = "structure_to_text"  # the client of the paper's GSNR figure (FLAN)
+
+
+def figure_client(tasks: list[str], client: str | None) -> str:
+    """The client of the per-client figures and of the GSNR table: `client` where the dataset has
+    it, else DEFAULT_CLIENT, else the first."""
+    if client in tasks:
+        return client
+    return DEFAULT_CLIENT if DEFAULT_CLIENT in tasks else tasks[0]
+
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -474,10 +488,16 @@ def dynamics_markdown(runs: list[Run]) -> str:
     keys = ["cons_last", "cons_mean", "gsnr_first", "gsnr_last"]
     lines = ["| Method | consistency, last round | consistency, mean over rounds | GSNR ratio, first round "
              "| GSNR ratio, last round |", "| :-- | --: | --: | --: | --: |"]
+    return "\n".join(lines + _mean_rows(runs, per_run, keys)) + "\n"
+
+
+def _mean_rows(runs: list[Run], per_run, keys: list[str]) -> list[str]:
+    """One table row per method: for each key, `per_run`'s values averaged over the method's runs."""
+    rows = []
     for method in method_order(r.method for r in runs):
         stats = [per_run(r) for r in runs if r.method == method]
-        lines.append(f"| {label(method)} | " + " | ".join(_mean_cell([s[k] for s in stats]) for k in keys) + " |")
-    return "\n".join(lines) + "\n"
+        rows.append(f"| {label(method)} | " + " | ".join(_mean_cell([s[k] for s in stats]) for k in keys) + " |")
+    return rows
 
 
 def _mean_cell(values: list) -> str:
@@ -498,7 +518,7 @@ def client_gsnr_markdown(runs: list[Run], task: str) -> str:
     means over seeds ± 95% CI."""
 
     def per_run(r: Run) -> dict:
-        cid = next((c["id"] for c in r.results["clients"] if c["task"] == task), None)
+        cid = r.client_id(task)
         ratio = {m["round"] + 1: m["gsnr_ratio"] for m in r.events("client_round")
                  if m.get("client") == cid and "round" in m and _number(m.get("gsnr_ratio"))}
         first, rise = ratio.get(1), ratio.get(GSNR_RISE_ROUND)
@@ -508,10 +528,7 @@ def client_gsnr_markdown(runs: list[Run], task: str) -> str:
     keys = ["first", "rise_round", "last", "change"]
     lines = [f"| Method | round 1 | round {GSNR_RISE_ROUND} | last round | change, round 1 → {GSNR_RISE_ROUND} |",
              "| :-- | --: | --: | --: | --: |"]
-    for method in method_order(r.method for r in runs):
-        stats = [per_run(r) for r in runs if r.method == method]
-        lines.append(f"| {label(method)} | " + " | ".join(_mean_cell([s[k] for s in stats]) for k in keys) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _mean_rows(runs, per_run, keys)) + "\n"
 
 
 # ---- the report -------------------------------------------------------------
@@ -524,7 +541,7 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
     if metric not in METRICS:
         raise UserError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
     metric_name = METRICS[metric]
-    from .figures import DEFAULT_CLIENT, write_figures  # figures read the rows this module computes
+    from .figures import write_figures  # figures read the rows this module computes
 
     root, out = Path(root), Path(out)
     if not root.is_dir():
@@ -586,7 +603,7 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
                   "GSNR ratio ‖mean g‖² / Σ var(g) of the clients' local gradients along their own paths (it also "
                   "rises as steps shrink), mean over seeds ± 95% CI "
                   "(docs/usage.md has the exact definitions).", "", dynamics_markdown(mine)]
-        gsnr_client = client if client in tasks else (DEFAULT_CLIENT if DEFAULT_CLIENT in tasks else tasks[0])
+        gsnr_client = figure_client(tasks, client)
         lines += [f"GSNR ratio of client {gsnr_client} (the GSNR figure's), mean over seeds ± 95% CI:", "",
                   client_gsnr_markdown(mine, gsnr_client)]
         lines += ["### Run time", "", "Wall-clock seconds on the machine that made the runs (training per round "
