@@ -156,6 +156,19 @@ def test_paired_against_another_method_by_hand(sweep_dir, tmp_path, capsys):
     assert "\n" not in err and "--paired fedsam: no finished run of it" in err and "fedavg" in err
 
 
+def test_claims_section_only_when_asked(sweep_dir, tmp_path):
+    """`--claims` adds the paper's claims, judged on these runs (pflalign.claims; the rules are
+    tested in test_claims.py): pFLAlign's Avg (25 + 28) / 2 = 26.5 is below FedAvg's (25 + 35) / 2 = 30."""
+    assert main(["report", str(sweep_dir), "--out", str(tmp_path / "plain")]) == 0
+    assert "The paper's claims" not in (tmp_path / "plain" / "report.md").read_text()
+    assert main(["report", str(sweep_dir), "--out", str(tmp_path / "claims"), "--claims"]) == 0
+    report = (tmp_path / "claims" / "report.md").read_text()
+    section = report[report.index("### The paper's claims"):report.index("### Run time")]
+    assert "**Provisional**: 5 of Table 1's 33 runs are in" in section
+    assert "| 1 | pFLAlign has the best average ROUGE-L | does not hold | pFLAlign's Avg is 26.50; above it: FedAvg 30.00" in section
+    assert "| 2 | FedSA-LoRA collapses on FLAN (paper: FedAvg − FedSA-LoRA = 13.45) | not judged |" in section
+
+
 def test_client_gsnr_rounds_1_10_and_last_by_hand(sweep_dir, tmp_path):
     """The GSNR ratio of the figure's client in rounds 1, 10 and the last, and its rise from 1 to 10."""
     import shutil

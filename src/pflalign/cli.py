@@ -102,7 +102,8 @@ def cmd_report(args) -> int:
     from .report import write_report
 
     paired = tuple(args.paired) if args.paired else None
-    print(write_report(Path(args.dir), Path(args.out), client=args.client, metric=args.metric, paired_against=paired))
+    print(write_report(Path(args.dir), Path(args.out), client=args.client, metric=args.metric, paired_against=paired,
+                       claims=args.claims))
     return 0
 
 
@@ -175,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the tables' score (default rouge_l; exact_match: normalised, for short-label tasks)")
     report.add_argument("--paired", action="append", metavar="METHOD",
                         help="a table of METHOD minus each other method, seed by seed (repeatable; default pflalign)")
+    report.add_argument("--claims", action="store_true",
+                        help="judge the paper's five FLAN Table 1 claims by the rules in docs/results/table1-flan "
+                             "(pflalign.claims)")
     report.set_defaults(func=cmd_report)
 
     methods = sub.add_parser("methods", help="list the available methods")

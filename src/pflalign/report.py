@@ -469,26 +469,34 @@ def paired_markdown(tasks: list[str], paired: list[Paired], reference: str = REF
 
 
 # ---- training dynamics --------------------------------------------------------
+def run_dynamics(r: Run) -> dict:
+    """One run's training dynamics: the aggregation consistency (update norm) of the last round
+    and its mean over rounds, the GSNR ratio (mean over clients) of the first and last round, and
+    the clients' mean update norm ‖w_k − w^r‖ over clients and rounds (None where not logged)."""
+    rounds = sorted((m for m in r.events("round") if "round" in m), key=lambda m: m["round"])
+    cons = [m["consistency_update_norm"] for m in rounds if m.get("consistency_update_norm") is not None]
+    gsnr: dict = {}
+    updates = []
+    for m in r.events("client_round"):
+        if m.get("gsnr_ratio") is not None and "round" in m:
+            gsnr.setdefault(m["round"], []).append(m["gsnr_ratio"])
+        if m.get("update_norm") is not None:
+            updates.append(m["update_norm"])
+    first, last = (gsnr[min(gsnr)], gsnr[max(gsnr)]) if gsnr else (None, None)
+    return {"cons_last": cons[-1] if cons else None, "cons_mean": statistics.fmean(cons) if cons else None,
+            "gsnr_first": statistics.fmean(first) if first else None,
+            "gsnr_last": statistics.fmean(last) if last else None,
+            "update_norm_mean": statistics.fmean(updates) if updates else None}
+
+
 def dynamics_markdown(runs: list[Run]) -> str:
-    """Per method, means over seeds (± 95% CI): the aggregation consistency (update norm) of the
-    last round and over all rounds, and the GSNR ratio (mean over clients) of the first and last round."""
-
-    def per_run(r: Run) -> dict:
-        rounds = sorted((m for m in r.events("round") if "round" in m), key=lambda m: m["round"])
-        cons = [m["consistency_update_norm"] for m in rounds if m.get("consistency_update_norm") is not None]
-        gsnr: dict = {}
-        for m in r.events("client_round"):
-            if m.get("gsnr_ratio") is not None and "round" in m:
-                gsnr.setdefault(m["round"], []).append(m["gsnr_ratio"])
-        first, last = (gsnr[min(gsnr)], gsnr[max(gsnr)]) if gsnr else (None, None)
-        return {"cons_last": cons[-1] if cons else None, "cons_mean": statistics.fmean(cons) if cons else None,
-                "gsnr_first": statistics.fmean(first) if first else None,
-                "gsnr_last": statistics.fmean(last) if last else None}
-
+    """Per method, means over seeds (± 95% CI) of `run_dynamics`: the aggregation consistency
+    (update norm) of the last round and over all rounds, and the GSNR ratio (mean over clients)
+    of the first and last round."""
     keys = ["cons_last", "cons_mean", "gsnr_first", "gsnr_last"]
     lines = ["| Method | consistency, last round | consistency, mean over rounds | GSNR ratio, first round "
              "| GSNR ratio, last round |", "| :-- | --: | --: | --: | --: |"]
-    return "\n".join(lines + _mean_rows(runs, per_run, keys)) + "\n"
+    return "\n".join(lines + _mean_rows(runs, run_dynamics, keys)) + "\n"
 
 
 def _mean_rows(runs: list[Run], per_run, keys: list[str]) -> list[str]:
@@ -512,32 +520,33 @@ def _mean_cell(values: list) -> str:
 GSNR_RISE_ROUND = 10  # "pFLAlign's GSNR rises fastest" is read as the change from round 1 to this one
 
 
+def client_gsnr(r: Run, task: str) -> dict:
+    """The GSNR ratio of one client (by task) in round 1, round GSNR_RISE_ROUND and the last
+    round (1-based), and its change from round 1 to GSNR_RISE_ROUND (None where not logged)."""
+    cid = r.client_id(task)
+    ratio = {m["round"] + 1: m["gsnr_ratio"] for m in r.events("client_round")
+             if m.get("client") == cid and "round" in m and _number(m.get("gsnr_ratio"))}
+    first, rise = ratio.get(1), ratio.get(GSNR_RISE_ROUND)
+    return {"first": first, "rise_round": rise, "last": ratio[max(ratio)] if ratio else None,
+            "change": rise - first if first is not None and rise is not None else None}
+
+
 def client_gsnr_markdown(runs: list[Run], task: str) -> str:
-    """Per method, the GSNR ratio of one client (the GSNR figure's) in round 1, round
-    GSNR_RISE_ROUND and the last round (1-based), and its change from round 1 to GSNR_RISE_ROUND:
-    means over seeds ± 95% CI."""
-
-    def per_run(r: Run) -> dict:
-        cid = r.client_id(task)
-        ratio = {m["round"] + 1: m["gsnr_ratio"] for m in r.events("client_round")
-                 if m.get("client") == cid and "round" in m and _number(m.get("gsnr_ratio"))}
-        first, rise = ratio.get(1), ratio.get(GSNR_RISE_ROUND)
-        return {"first": first, "rise_round": rise, "last": ratio[max(ratio)] if ratio else None,
-                "change": rise - first if first is not None and rise is not None else None}
-
+    """Per method, `client_gsnr` of one client (the GSNR figure's): means over seeds ± 95% CI."""
     keys = ["first", "rise_round", "last", "change"]
     lines = [f"| Method | round 1 | round {GSNR_RISE_ROUND} | last round | change, round 1 → {GSNR_RISE_ROUND} |",
              "| :-- | --: | --: | --: | --: |"]
-    return "\n".join(lines + _mean_rows(runs, per_run, keys)) + "\n"
+    return "\n".join(lines + _mean_rows(runs, lambda r: client_gsnr(r, task), keys)) + "\n"
 
 
 # ---- the report -------------------------------------------------------------
 def write_report(root: Path | str, out: Path | str, client: str | None = None, metric: str = "rouge_l",
-                 paired_against: tuple[str, ...] | None = None) -> Path:
+                 paired_against: tuple[str, ...] | None = None, claims: bool = False) -> Path:
     """Tables and figures for every dataset under `root` into `out`; returns report.md. The tables
     and paired differences show `metric` (rouge_l or exact_match); the figures are ROUGE-L.
     `paired_against`: the methods that each get a table of paired differences (that method minus
-    each other one), each of them with a finished run under `root`; None: pFLAlign, where it ran."""
+    each other one), each of them with a finished run under `root`; None: pFLAlign, where it ran.
+    `claims`: judge the paper's claims (`pflalign.claims`) under each dataset's tables."""
     if metric not in METRICS:
         raise UserError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
     metric_name = METRICS[metric]
@@ -606,6 +615,14 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
         gsnr_client = figure_client(tasks, client)
         lines += [f"GSNR ratio of client {gsnr_client} (the GSNR figure's), mean over seeds ± 95% CI:", "",
                   client_gsnr_markdown(mine, gsnr_client)]
+        if claims:
+            from .claims import claims_markdown
+
+            lines += ["### The paper's claims", "",
+                      "Judged by the rules fixed in docs/results/table1-flan/README.md (\"The claims to check\"), "
+                      "on personalized ROUGE-L ×100 whatever the tables show: means over seeds, and paired "
+                      "differences with their 95% intervals (Student's t over the seeds both ran).", "",
+                      claims_markdown(mine, gsnr_client)]
         lines += ["### Run time", "", "Wall-clock seconds on the machine that made the runs (training per round "
                   "without the optional per-round evaluation; final evaluation of all clients).", "",
                   cost_markdown(mine)]

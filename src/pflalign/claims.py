@@ -1,0 +1,203 @@
+"""The paper's five claims about its FLAN Table 1, judged from finished runs.
+
+The rules are the ones written down in docs/results/table1-flan/README.md ("The
+claims to check") on 2026-11-24, before most of the grid's seeds had run; this
+module applies them as written, so the verdict is a function of the committed
+runs and nothing else. Every judgement uses means over seeds and the paired
+differences of `report.paired_differences` (95% Student-t intervals over the
+seeds both methods ran):
+
+1. pFLAlign has the best average ROUGE-L: it *holds* if pFLAlign's Avg is the
+   highest row, *holds clearly* if moreover pFLAlign − m on Avg has an interval
+   above 0 for every other method m.
+2. FedSA-LoRA collapses on FLAN: FedAvg − FedSA-LoRA on Avg above 0 with an
+   interval above 0; a *collapse* only if FedSA-LoRA's Avg is also below Local's.
+3. FedSAM trails, FedYogi trails (judged separately): FedAvg − it on Avg above 0
+   with an interval above 0.
+4. pFLAlign's GSNR rises fastest: its change of the GSNR figure's client's
+   GSNR ratio from round 1 to round `report.GSNR_RISE_ROUND` is the largest,
+   and above 0 (a ratio that falls, even least of all, does not rise).
+5. pFLAlign's aggregation is the most consistent: its consistency (update norm,
+   mean over rounds) is the lowest; stated beside the clients' mean update norm,
+   because that is what the number measures.
+
+`pflalign report --claims` writes the verdicts under each dataset's tables.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from .methods import label
+from .report import (GSNR_RISE_ROUND, Paired, Row, Run, client_gsnr, paired_differences, run_dynamics,
+                     summarize)
+
+PFLALIGN, FEDAVG, FEDSA, LOCAL = "pflalign", "fedavg", "fedsa-lora", "local"
+TRAILING = ("fedsam", "fedyogi")  # claim 3's two methods
+TABLE1_METHODS = ("ffa-lora", "fedsa-lora", "fedsvd", "fedavg", "fedprox", "fedsam", "scaffold", "feddyn",
+                  "fedyogi", "local", "pflalign")  # the rows of the paper's FLAN Table 1 (preset table1-flan)
+TABLE1_SEEDS = 3
+PAPER_FEDAVG_MINUS_FEDSA = 36.96 - 23.51  # the paper's FLAN Avg, LLaMA-3.2-1B: the size claim 2 is set beside
+
+HOLDS_CLEARLY, HOLDS, DOES_NOT_HOLD, NOT_JUDGED = "holds clearly", "holds", "does not hold", "not judged"
+
+
+@dataclass
+class Verdict:
+    number: str  # "1", "2", "3 (FedSAM)", ...
+    claim: str  # the paper's claim, as the README words it
+    outcome: str  # HOLDS_CLEARLY, HOLDS (possibly with a qualifier), DOES_NOT_HOLD or NOT_JUDGED
+    evidence: str  # the numbers it rests on, ROUGE-L ×100
+
+
+def _diff(p: Paired | None) -> str:
+    if p is None or p.mean(None) is None:
+        return "no paired seeds"
+    ci = p.ci(None)
+    return f"{p.mean(None):+.2f}" + (f" ± {ci:.2f}" if ci is not None else " (one seed, no interval)")
+
+
+def _lower_bound(p: Paired | None) -> float:
+    """The lower end of the paired difference's 95% interval on Avg; −inf without one (no paired
+    seeds, or one seed only)."""
+    if p is None or p.mean(None) is None or p.ci(None) is None:
+        return float("-inf")
+    return p.mean(None) - p.ci(None)
+
+
+def _above_zero(p: Paired | None) -> bool:
+    """The paired difference on Avg is above 0 with its 95% interval above 0 (needs 2 seeds or more)."""
+    return _lower_bound(p) > 0
+
+
+def _short_of_zero(p: Paired | None) -> str:
+    """A note where an interval exists but is not above 0."""
+    return " (the interval is not above 0)" if float("-inf") < _lower_bound(p) <= 0 else ""
+
+
+def _method_means(runs: list[Run], per_run, key: str) -> dict[str, float]:
+    """Per method, the mean over its runs of per_run(run)[key] (methods without a value left out)."""
+    out = {}
+    for method in dict.fromkeys(r.method for r in runs):
+        values = [v for r in runs if r.method == method if (v := per_run(r)[key]) is not None]
+        if values:
+            out[method] = statistics.fmean(values)
+    return out
+
+
+def _paired(tasks: list[str], runs: list[Run], reference: str) -> dict[str, Paired]:
+    return {p.method: p for p in paired_differences(tasks, runs, reference)}
+
+
+def claim_best(tasks: list[str], runs: list[Run], rows: list[Row]) -> Verdict:
+    claim = "pFLAlign has the best average ROUGE-L"
+    avg = {row.method: row for row in rows}
+    if PFLALIGN not in avg or len(avg) < 2:
+        return Verdict("1", claim, NOT_JUDGED, "needs pFLAlign and at least one other method")
+    mine = avg[PFLALIGN]
+    paired = _paired(tasks, runs, PFLALIGN)
+    others = [row for row in rows if row.method != PFLALIGN]
+    above = sorted((row for row in others if row.avg >= mine.avg), key=lambda row: -row.avg)
+    if above:
+        names = "; ".join(f"{label(row.method)} {row.avg:.2f} (pFLAlign − it: {_diff(paired.get(row.method))})"
+                          for row in above)
+        return Verdict("1", claim, DOES_NOT_HOLD, f"pFLAlign's Avg is {mine.avg:.2f}; above it: {names}")
+    best_other = max(others, key=lambda row: row.avg)
+    clearly = all(_above_zero(paired.get(row.method)) for row in others)
+    weakest = min(others, key=lambda row: _lower_bound(paired.get(row.method)))
+    evidence = (f"pFLAlign's Avg is {mine.avg:.2f}, the next {label(best_other.method)} {best_other.avg:.2f}; "
+                + ("every paired interval is above 0" if clearly else
+                   f"not every paired interval is above 0 (e.g. pFLAlign − {label(weakest.method)}: "
+                   f"{_diff(paired.get(weakest.method))})"))
+    return Verdict("1", claim, HOLDS_CLEARLY if clearly else HOLDS, evidence)
+
+
+def claim_fedsa_collapses(tasks: list[str], runs: list[Run], rows: list[Row]) -> Verdict:
+    claim = f"FedSA-LoRA collapses on FLAN (paper: FedAvg − FedSA-LoRA = {PAPER_FEDAVG_MINUS_FEDSA:.2f})"
+    avg = {row.method: row.avg for row in rows}
+    if FEDAVG not in avg or FEDSA not in avg:
+        return Verdict("2", claim, NOT_JUDGED, "needs FedAvg and FedSA-LoRA")
+    p = _paired(tasks, runs, FEDAVG).get(FEDSA)
+    evidence = f"FedAvg − FedSA-LoRA on Avg: {_diff(p)}{_short_of_zero(p)}"
+    local = avg.get(LOCAL)
+    if local is not None:
+        evidence += f"; FedSA-LoRA {avg[FEDSA]:.2f} against Local {local:.2f}"
+    if not _above_zero(p):
+        return Verdict("2", claim, DOES_NOT_HOLD, evidence)
+    if local is None:
+        return Verdict("2", claim, HOLDS + ", a collapse not judged (no Local run)", evidence)
+    if avg[FEDSA] < local:
+        return Verdict("2", claim, HOLDS + ", a collapse (below Local)", evidence)
+    return Verdict("2", claim, HOLDS + ", but no collapse (not below Local)", evidence)
+
+
+def claim_trails(tasks: list[str], runs: list[Run], rows: list[Row], method: str) -> Verdict:
+    number, claim = f"3 ({label(method)})", f"{label(method)} trails"
+    avg = {row.method for row in rows}
+    if FEDAVG not in avg or method not in avg:
+        return Verdict(number, claim, NOT_JUDGED, f"needs FedAvg and {label(method)}")
+    p = _paired(tasks, runs, FEDAVG).get(method)
+    evidence = f"FedAvg − {label(method)} on Avg: {_diff(p)}{_short_of_zero(p)}"
+    return Verdict(number, claim, HOLDS if _above_zero(p) else DOES_NOT_HOLD, evidence)
+
+
+def claim_gsnr_rises_fastest(runs: list[Run], task: str) -> Verdict:
+    claim = f"pFLAlign's GSNR rises fastest (client {task}, round 1 → {GSNR_RISE_ROUND})"
+    change = _method_means(runs, lambda r: client_gsnr(r, task), "change")
+    level = _method_means(runs, lambda r: client_gsnr(r, task), "rise_round")
+    if PFLALIGN not in change or len(change) < 2:
+        return Verdict("4", claim, NOT_JUDGED, f"needs the GSNR ratio of {task} in rounds 1 and {GSNR_RISE_ROUND} "
+                                               "for pFLAlign and another method")
+    best_other = max((m for m in change if m != PFLALIGN), key=lambda m: change[m])
+    top_level = max((m for m in level if m != PFLALIGN), key=lambda m: level[m])
+    evidence = (f"change of the GSNR ratio: pFLAlign {change[PFLALIGN]:+.3g}, the largest other "
+                f"{label(best_other)} {change[best_other]:+.3g}; level in round {GSNR_RISE_ROUND}: pFLAlign "
+                f"{level[PFLALIGN]:.3g}, the highest other {label(top_level)} {level[top_level]:.3g} (a level "
+                "also rises as steps shrink)")
+    # a change that is not above 0 is no rise, however it compares with the others' falls
+    rises_fastest = change[PFLALIGN] > 0 and change[PFLALIGN] > change[best_other]
+    return Verdict("4", claim, HOLDS if rises_fastest else DOES_NOT_HOLD, evidence)
+
+
+def claim_most_consistent(runs: list[Run]) -> Verdict:
+    claim = "pFLAlign's aggregation is the most consistent (update norm, mean over rounds)"
+    cons = _method_means(runs, run_dynamics, "cons_mean")
+    steps = _method_means(runs, run_dynamics, "update_norm_mean")
+    if PFLALIGN not in cons or len(cons) < 2:
+        return Verdict("5", claim, NOT_JUDGED, "needs the consistency of pFLAlign and another method")
+    lowest_other = min((m for m in cons if m != PFLALIGN), key=lambda m: cons[m])
+    size = lambda m: f", mean update norm ‖w_k − w^r‖ {steps[m]:.3g}" if m in steps else ""  # noqa: E731
+    evidence = (f"consistency: pFLAlign {cons[PFLALIGN]:.3g}{size(PFLALIGN)}; the lowest other "
+                f"{label(lowest_other)} {cons[lowest_other]:.3g}{size(lowest_other)}. The consistency is the "
+                "clients' data-weighted update size: lower says they moved less, not that their directions agree")
+    return Verdict("5", claim, HOLDS if cons[PFLALIGN] < cons[lowest_other] else DOES_NOT_HOLD, evidence)
+
+
+def judge(runs: list[Run], task: str) -> list[Verdict]:
+    """The five claims (3 split into FedSAM and FedYogi) on one dataset's runs; `task`: the
+    client of claim 4 (the paper's GSNR figure shows structure_to_text)."""
+    tasks, rows = summarize(runs)
+    return [claim_best(tasks, runs, rows), claim_fedsa_collapses(tasks, runs, rows),
+            *(claim_trails(tasks, runs, rows, m) for m in TRAILING),
+            claim_gsnr_rises_fastest(runs, task), claim_most_consistent(runs)]
+
+
+def missing_runs(runs: list[Run]) -> list[str]:
+    """Table 1's method × seed cells (TABLE1_METHODS × seeds 0..TABLE1_SEEDS−1) without a run."""
+    have = {(r.method, r.seed) for r in runs}
+    return [f"{label(m)} seed {s}" for m in TABLE1_METHODS for s in range(TABLE1_SEEDS) if (m, s) not in have]
+
+
+def claims_markdown(runs: list[Run], task: str) -> str:
+    """The verdicts as a table, headed by whether Table 1's grid is complete (else: provisional)."""
+    missing = missing_runs(runs)
+    total = len(TABLE1_METHODS) * TABLE1_SEEDS
+    if missing:
+        head = (f"**Provisional**: {total - len(missing)} of Table 1's {total} runs are in (missing: "
+                f"{', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}); the verdicts below may change.")
+    else:
+        head = f"All {total} runs of Table 1 are in ({len(TABLE1_METHODS)} methods × {TABLE1_SEEDS} seeds)."
+    lines = [head, "", "| # | The paper's claim | Verdict | On what |", "| :-- | :-- | :-- | :-- |"]
+    lines += [f"| {v.number} | {v.claim} | {v.outcome} | {v.evidence} |" for v in judge(runs, task)]
+    return "\n".join(lines) + "\n"
