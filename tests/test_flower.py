@@ -134,6 +134,24 @@ def test_run_config_maps_to_pflalign_run_keys():
         ["coreference", "entailment", "paraphrase", "structure_to_text"]
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # flwr.cli's imports (typer, pathspec), in this process
+def test_the_cluster_bundles_the_same_fab_from_a_copy_of_its_files(tmp_path):
+    """`flwr run` of a copy holding pyproject.toml and the fab-include files (cluster.fab_folder)
+    sends the FAB that `flwr run .` in the checkout would: the same bytes, so the same hash."""
+    from flwr.cli.build import build_fab_from_disk
+
+    from pflalign.flower.cluster import fab_folder
+
+    copy = fab_folder(REPO, tmp_path / "app")
+    assert copy == tmp_path / "app" and (copy / "src" / "pflalign" / "flower" / "client_app.py").exists()
+    assert not (copy / "tests").exists() and not (copy / ".venv").exists()
+    assert build_fab_from_disk(copy) == build_fab_from_disk(REPO)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "pyproject.toml").write_text('[tool.flwr.app]\npublisher = "x"\n')
+    assert fab_folder(bare, tmp_path / "unused") == bare  # no fab-include: the folder as it is
+
+
 # ---- the server's checks on client replies (no processes) -------------------------------------
 ADAPTER = {"l0.lora_A.weight": torch.arange(8.0).reshape(2, 4) / 4, "l0.lora_B.weight": torch.zeros(4, 2),
            "l1.lora_A.weight": -torch.arange(8.0).reshape(2, 4) / 4, "l1.lora_B.weight": torch.zeros(4, 2)}

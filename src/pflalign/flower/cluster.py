@@ -25,11 +25,13 @@ free ones picked at start. Each process logs to ``root/<name>.log``.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import psutil
@@ -62,6 +64,27 @@ def wait_listening(port: int, proc: subprocess.Popen, timeout: float = 120) -> N
         except OSError:
             time.sleep(0.3)
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+def fab_folder(app: Path, dest: Path) -> Path:
+    """A folder holding only what the FAB of `app` holds: its pyproject.toml and the files its
+    ``fab-include`` patterns match (`app` itself when it declares none). `flwr run` walks every
+    file under the app folder before it filters (Flower 1.42's `collect_files`); in a checkout
+    with its .venv (50,000 files) that took 3.8 CPU s a run, in this copy 0.01. The FAB is the
+    same bytes, so its hash too (tests/test_flower.py)."""
+    app = Path(app)
+    config = tomllib.loads((app / "pyproject.toml").read_text())
+    patterns = config.get("tool", {}).get("flwr", {}).get("app", {}).get("fab-include")
+    if not patterns:
+        return app
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(app / "pyproject.toml", dest / "pyproject.toml")
+    for pattern in patterns:
+        for path in app.glob(pattern):
+            if path.is_file():
+                (dest / path.relative_to(app)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, dest / path.relative_to(app))
+    return dest
 
 
 def alive(p: psutil.Process) -> bool:
@@ -167,7 +190,8 @@ class Cluster(Processes):
                  runtime_cpus: int | None = None):
         home = Path(root) / "flwr-home"
         super().__init__(root, {"FLWR_HOME": str(home), **(env or {})})
-        self.app, self.clients, self.simulation, self.client_cpus = Path(app), clients, simulation, client_cpus
+        self.app = fab_folder(Path(app), self.root / "app")  # what `flwr run` bundles, not a whole checkout
+        self.clients, self.simulation, self.client_cpus = clients, simulation, client_cpus
         self.runtime_cpus = runtime_cpus
         self.tls, self.node_auth = (Path(tls) if tls else None), node_auth
         if node_auth and not tls:
