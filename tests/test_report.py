@@ -169,6 +169,27 @@ def test_claims_section_only_when_asked(sweep_dir, tmp_path):
     assert "| 2 | FedSA-LoRA collapses on FLAN (paper: FedAvg − FedSA-LoRA = 13.45) | not judged |" in section
 
 
+def test_one_answer_for_every_example_by_hand(tmp_path):
+    """The most common personalized answer's share per client, mean over seeds, and the ROUGE-L of
+    answering the most common reference to every example."""
+    from pflalign.report import answers_markdown
+
+    def run_with(method, seed, answers):
+        path = tmp_path / method / f"seed{seed}"
+        path.mkdir(parents=True)
+        rows = [{"task": "a", "reference": ref, "personalized": out} for ref, out in zip(["no", "no", "yes", "no"], answers)]
+        (path / ckpt.PREDICTIONS).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return Run(path, "d", method, seed, {}, {}, [])
+
+    runs = [run_with("fedavg", 0, ["No.", "no", "no", "no"]),  # one answer: 100% (case and "." ignored)
+            run_with("fedavg", 1, ["yes", "no", "yes", "yes"]),  # 'yes' 75%: the seeds differ, no answer shown
+            run_with("pflalign", 0, ["yes", "no", "no", "yes"])]  # a tie: the first seen, 50%
+    text = answers_markdown(runs, ["a"])
+    assert "| *most common reference: ROUGE-L of answering it to all* | 'no': 75.00 |" in text
+    assert "| FedAvg | 88% |" in text and "| pFLAlign | 50% 'yes' |" in text
+    assert answers_markdown([Run(tmp_path / "none", "d", "fedavg", 0, {}, {}, [])], ["a"]) is None
+
+
 def test_client_gsnr_rounds_1_10_and_last_by_hand(sweep_dir, tmp_path):
     """The GSNR ratio of the figure's client in rounds 1, 10 and the last, and its rise from 1 to 10."""
     import shutil

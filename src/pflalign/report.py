@@ -403,6 +403,68 @@ def distribution_markdown(runs: list[Run]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- one answer for every example ----------------------------------------------
+def predictions(run: Run) -> list[dict]:
+    """The run's predictions.jsonl rows ([] when it has none or it cannot be read as JSON lines)."""
+    path = run.path / ckpt.PREDICTIONS
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return []
+
+
+def top_answer(answers: list[str]) -> tuple[str, float]:
+    """The most common answer (after `evaluate.normalize_answer`; ties: the first seen) and its share."""
+    from collections import Counter
+
+    from .evaluate import normalize_answer
+
+    counts = Counter(normalize_answer(a) for a in answers)
+    answer, n = counts.most_common(1)[0]
+    return answer, n / len(answers)
+
+
+def _short(answer: str, width: int = 24) -> str:
+    return repr(answer if len(answer) <= width else answer[:width - 1] + "…")
+
+
+def answers_markdown(runs: list[Run], tasks: list[str]) -> str | None:
+    """Per client, the share of the test examples that got the personalized model's most common
+    answer (mean over seeds), under a first row with the most common reference and the ROUGE-L
+    ×100 of giving it to every example. None when no run has predictions."""
+    from .evaluate import rouge_l
+
+    rows = {r.path: predictions(r) for r in runs}
+    if not any(rows.values()):
+        return None
+    majority = []
+    for task in tasks:
+        scores, common = [], None
+        for r in runs:
+            refs = [p["reference"] for p in rows[r.path] if p.get("task") == task]
+            if refs:
+                answer, _ = top_answer(refs)
+                common = common or answer
+                scores.append(rouge_l([answer] * len(refs), refs))
+        majority.append(f"{_short(common)}: {statistics.fmean(scores):.2f}" if scores else "–")
+    lines = ["| Method | " + " | ".join(tasks) + " |", "| :-- | " + " | ".join("--:" for _ in tasks) + " |",
+             "| *most common reference: ROUGE-L of answering it to all* | " + " | ".join(majority) + " |"]
+    for method in method_order(r.method for r in runs):
+        cells = []
+        for task in tasks:
+            tops = [top_answer(outs) for r in runs if r.method == method
+                    if (outs := [p["personalized"] for p in rows[r.path]
+                                 if p.get("task") == task and isinstance(p.get("personalized"), str)])]
+            if not tops:
+                cells.append("–")
+                continue
+            share = statistics.fmean(t[1] for t in tops)
+            same = len({t[0] for t in tops}) == 1 and share >= 0.5  # one answer, the same in every seed
+            cells.append(f"{100 * share:.0f}%" + (f" {_short(tops[0][0])}" if same else ""))
+        lines.append(f"| {label(method)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # ---- paired comparisons -------------------------------------------------------
 REFERENCE = "pflalign"
 
@@ -592,6 +654,14 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
                   "ROUGE-L ×100 over each run's scored clients, mean over seeds: "
                   "plain mean, |D_k|-weighted mean (|D_k|: training examples) and the mean of the worst 10% "
                   "of clients (at least one).", "", distribution_markdown(mine)]
+        answers = None if many else answers_markdown(mine, tasks)
+        if answers:
+            lines += ["### One answer for every example", "",
+                      "Share of each client's test examples that got the personalized model's most common answer "
+                      "(case and punctuation ignored), mean over seeds, with that answer where it is the same in "
+                      "every seed. Near 100% the model gives one answer to everything: on a one-label task its "
+                      "ROUGE-L is then that answer's share of the references, whatever else it learned (the first "
+                      "row scores the most common reference so).", "", answers]
         rouge_rows = rows if metric == "rouge_l" else summarize(mine)[1]
         figures, skipped = write_figures(mine, tasks, rouge_rows, folder, client)
         for title, filename in figures:
