@@ -64,6 +64,7 @@ def test_fedsa_collapse_needs_an_interval_above_zero_and_falling_below_local():
     v = verdict(runs_of({**scores, "fedsa-lora": [49, 53, 51]}), "2")
     assert v.outcome == DOES_NOT_HOLD and "(the interval is not above 0)" in v.evidence
     assert verdict(runs_of({"fedavg": [50]}), "2").outcome == NOT_JUDGED
+    assert verdict(runs_of({"fedavg": [50], "fedsa-lora": [40], "local": [45]}), "2").outcome == NOT_JUDGED  # one seed
 
 
 def test_fedsam_and_fedyogi_trail_are_judged_separately():
@@ -71,6 +72,9 @@ def test_fedsam_and_fedyogi_trail_are_judged_separately():
     assert verdict(runs, "3 (FedSAM)").outcome == HOLDS  # 6, 7, 8 → 7 ± 2.48
     v = verdict(runs, "3 (FedYogi)")  # −1, 1, 3 → 1 ± 4.97
     assert v.outcome == DOES_NOT_HOLD and "+1.00 ± 4.97 (the interval is not above 0)" in v.evidence
+    # one seed: no interval, so neither holds nor fails yet (FedAvg − FedSAM = +6)
+    v = verdict(runs_of({"fedavg": [50], "fedsam": [44]}), "3 (FedSAM)")
+    assert v.outcome == NOT_JUDGED and "+6.00 (one seed, no interval)" in v.evidence
 
 
 def test_gsnr_rises_fastest_needs_the_largest_change_and_a_rise():

@@ -13,7 +13,8 @@ seeds both methods ran):
 2. FedSA-LoRA collapses on FLAN: FedAvg − FedSA-LoRA on Avg above 0 with an
    interval above 0; a *collapse* only if FedSA-LoRA's Avg is also below Local's.
 3. FedSAM trails, FedYogi trails (judged separately): FedAvg − it on Avg above 0
-   with an interval above 0.
+   with an interval above 0. Claims 2 and 3 are *not judged* while the two
+   methods share fewer than 2 seeds (no interval).
 4. pFLAlign's GSNR rises fastest: its change of the GSNR figure's client's
    GSNR ratio from round 1 to round `report.GSNR_RISE_ROUND` is the largest,
    and above 0 (a ratio that falls, even least of all, does not rise).
@@ -64,6 +65,12 @@ def _lower_bound(p: Paired | None) -> float:
     if p is None or p.mean(None) is None or p.ci(None) is None:
         return float("-inf")
     return p.mean(None) - p.ci(None)
+
+
+def _has_interval(p: Paired | None) -> bool:
+    """The paired difference on Avg has a 95% interval: 2 seeds or more that both methods ran.
+    Claims 2 and 3 ask for an interval above 0, so with fewer they are not judged."""
+    return p is not None and p.mean(None) is not None and p.ci(None) is not None
 
 
 def _above_zero(p: Paired | None) -> bool:
@@ -123,6 +130,8 @@ def claim_fedsa_collapses(tasks: list[str], runs: list[Run], rows: list[Row]) ->
     local = avg.get(LOCAL)
     if local is not None:
         evidence += f"; FedSA-LoRA {avg[FEDSA]:.2f} against Local {local:.2f}"
+    if not _has_interval(p):
+        return Verdict("2", claim, NOT_JUDGED, evidence)
     if not _above_zero(p):
         return Verdict("2", claim, DOES_NOT_HOLD, evidence)
     if local is None:
@@ -139,7 +148,8 @@ def claim_trails(tasks: list[str], runs: list[Run], rows: list[Row], method: str
         return Verdict(number, claim, NOT_JUDGED, f"needs FedAvg and {label(method)}")
     p = _paired(tasks, runs, FEDAVG).get(method)
     evidence = f"FedAvg − {label(method)} on Avg: {_diff(p)}{_short_of_zero(p)}"
-    return Verdict(number, claim, HOLDS if _above_zero(p) else DOES_NOT_HOLD, evidence)
+    outcome = NOT_JUDGED if not _has_interval(p) else HOLDS if _above_zero(p) else DOES_NOT_HOLD
+    return Verdict(number, claim, outcome, evidence)
 
 
 def claim_gsnr_rises_fastest(runs: list[Run], task: str) -> Verdict:
