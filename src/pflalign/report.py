@@ -265,14 +265,14 @@ METRICS = {"rouge_l": "ROUGE-L", "exact_match": "exact match"}
 
 def with_exact_match(run: Run) -> Run:
     """`run` with exact match in its results, computed from its predictions.jsonl when results.json
-    predates it (in memory only; a run without predictions keeps None)."""
+    predates it (in memory only; a run without readable predictions keeps None)."""
     if "avg_exact_match_personalized" in run.results:
         return run
     from .evaluate import add_exact_match
 
-    path = run.path / ckpt.PREDICTIONS
-    if path.exists():
-        add_exact_match(run.results, [json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+    rows = predictions(run)
+    if rows:
+        add_exact_match(run.results, rows)
     else:
         for c in run.results["clients"]:
             c["exact_match_personalized"] = None
