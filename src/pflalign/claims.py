@@ -83,13 +83,18 @@ def _short_of_zero(p: Paired | None) -> str:
     return " (the interval is not above 0)" if float("-inf") < _lower_bound(p) <= 0 else ""
 
 
-def _method_means(runs: list[Run], per_run, key: str) -> dict[str, float]:
-    """Per method, the mean over its runs of per_run(run)[key] (methods without a value left out)."""
-    out = {}
-    for method in dict.fromkeys(r.method for r in runs):
-        values = [v for r in runs if r.method == method if (v := per_run(r)[key]) is not None]
-        if values:
-            out[method] = statistics.fmean(values)
+def _method_means(runs: list[Run], per_run, *keys: str) -> list[dict[str, float]]:
+    """For each key, per method the mean over its runs of per_run(run)[key] (methods without a
+    value left out); per_run is called once per run."""
+    stats = [(r.method, per_run(r)) for r in runs]
+    out = []
+    for key in keys:
+        means = {}
+        for method in dict.fromkeys(m for m, _ in stats):
+            values = [st[key] for m, st in stats if m == method and st[key] is not None]
+            if values:
+                means[method] = statistics.fmean(values)
+        out.append(means)
     return out
 
 
@@ -154,8 +159,7 @@ def claim_trails(tasks: list[str], runs: list[Run], rows: list[Row], method: str
 
 def claim_gsnr_rises_fastest(runs: list[Run], task: str) -> Verdict:
     claim = f"pFLAlign's GSNR rises fastest (client {task}, round 1 → {GSNR_RISE_ROUND})"
-    change = _method_means(runs, lambda r: client_gsnr(r, task), "change")
-    level = _method_means(runs, lambda r: client_gsnr(r, task), "rise_round")
+    change, level = _method_means(runs, lambda r: client_gsnr(r, task), "change", "rise_round")
     if PFLALIGN not in change or len(change) < 2:
         return Verdict("4", claim, NOT_JUDGED, f"needs the GSNR ratio of {task} in rounds 1 and {GSNR_RISE_ROUND} "
                                                "for pFLAlign and another method")
@@ -172,8 +176,7 @@ def claim_gsnr_rises_fastest(runs: list[Run], task: str) -> Verdict:
 
 def claim_most_consistent(runs: list[Run]) -> Verdict:
     claim = "pFLAlign's aggregation is the most consistent (update norm, mean over rounds)"
-    cons = _method_means(runs, run_dynamics, "cons_mean")
-    steps = _method_means(runs, run_dynamics, "update_norm_mean")
+    cons, steps = _method_means(runs, run_dynamics, "cons_mean", "update_norm_mean")
     if PFLALIGN not in cons or len(cons) < 2:
         return Verdict("5", claim, NOT_JUDGED, "needs the consistency of pFLAlign and another method")
     lowest_other = min((m for m in cons if m != PFLALIGN), key=lambda m: cons[m])
