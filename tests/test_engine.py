@@ -207,26 +207,44 @@ def test_results_split_the_evaluation_time_by_model(tmp_path, monkeypatch):
     assert by_model[1]["base"] < by_model[0]["base"]
 
 
-def test_a_round_past_twice_round_1s_loss_warns_once_also_after_a_resume(tmp_path, caplog):
-    import logging
-
+def _train_with_losses(cfg, rec, start, end, losses):
+    """Rounds start..end-1 of one client whose local steps have these losses (a list per round),
+    recorded as an engine does: its train_step lines, then the round."""
     from pflalign.client import ClientRound
     from pflalign.lifecycle import RoundRecord
 
+    def train_round(r):
+        for t, loss in enumerate(losses[r]):
+            rec.train_step(r, 0, t, loss)
+        return RoundRecord([0], [ClientRound({}, {}, losses[r], None, None, 0.0, 0.0)], [1.0])
+    rec.open(rec.config(cfg))
+    rec.train(cfg, start, end, train_round, lambda r: None, lambda: {}, lambda *a: None)
+    rec.close()
+
+
+def test_a_round_past_twice_the_starting_loss_warns_once_also_after_a_resume(tmp_path, caplog):
+    import logging
+
     cfg = tiny_config(rounds=6)
-    losses = [1.0, 0.5, 2.0, 2.5, 0.4, 3.0]  # round means; 2.0 is not past 2 × 1.0, 2.5 is
-
-    def train(rec, start, end):
-        def train_round(r):
-            return RoundRecord([0], [ClientRound({}, {}, [losses[r]], None, None, 0.0, 0.0)], [1.0])
-        rec.open(rec.config(cfg))
-        rec.train(cfg, start, end, train_round, lambda r: None, lambda: {}, lambda *a: None)
-        rec.close()
-
+    # round means 1.0, 0.5, 2.0, 2.5, 0.4, 3.0 from a start of 1.0: 2.0 is not past 2 × 1.0, 2.5 is
+    losses = [[1.0, 1.0], [0.5], [2.0], [2.5], [0.4], [3.0]]
     with caplog.at_level(logging.WARNING, logger="pflalign.lifecycle"):
-        train(Recorder(tmp_path, resume=False, overwrite=False), 0, 3)
+        _train_with_losses(cfg, Recorder(tmp_path, resume=False, overwrite=False), 0, 3, losses)
         assert not caplog.records
-        train(Recorder(tmp_path, resume=True, overwrite=False), 3, 6)  # round 1's loss read back from metrics
+        # the start read back from round 1's train_step lines
+        _train_with_losses(cfg, Recorder(tmp_path, resume=True, overwrite=False), 3, 6, losses)
     assert [r.getMessage() for r in caplog.records] == [
-        "round 4: mean training loss 2.5 is 2.5 × round 1's (1): the run is diverging (a smaller lr or server "
-        "step may hold it; pflalign report marks a run that ends so)"]
+        "round 4: mean training loss 2.5 is 2.5 × the loss the run started from (1): the run is diverging "
+        "(a smaller lr or server step may hold it; pflalign report marks a run that ends so)"]
+
+
+def test_a_blow_up_within_round_1_warns_in_round_1(tmp_path, caplog):
+    """Against round 1's mean loss (4.0) this run never passes 2 ×; against its start (1.0) it does."""
+    import logging
+
+    losses = [[1.0, 3.0, 8.0], [5.0], [6.0]]  # round 1's mean 4.0, first step 1.0
+    with caplog.at_level(logging.WARNING, logger="pflalign.lifecycle"):
+        _train_with_losses(tiny_config(rounds=3), Recorder(tmp_path, resume=False, overwrite=False), 0, 3, losses)
+    assert [r.getMessage() for r in caplog.records] == [
+        "round 1: mean training loss 4 is 4.0 × the loss the run started from (1): the run is diverging "
+        "(a smaller lr or server step may hold it; pflalign report marks a run that ends so)"]

@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+import statistics
 import struct
 from pathlib import Path
 
@@ -251,22 +252,35 @@ def test_malformed_metrics_skip_a_figure_with_a_note(sweep_dir, tmp_path):
     assert (tmp_path / "r" / "synthetic" / "gsnr.png").exists()
 
 
-def _run_with_losses(losses):
-    """A Run whose metrics hold only `round` lines with these mean losses, written out of order."""
+def _run_with_losses(losses, first_steps=None):
+    """A Run whose metrics hold `round` lines with these mean losses, written out of order, and, when
+    given, round 1's train_step lines of step 0 (one per client) with `first_steps`."""
     metrics = [{"event": "round", "round": r, "mean_loss": loss} for r, loss in reversed(list(enumerate(losses)))]
+    metrics += [{"event": "train_step", "round": 0, "client": k, "step": 0, "loss": loss}
+                for k, loss in enumerate(first_steps or [])]
     return Run(None, "d", "fedavg", 0, {"clients": []}, {}, metrics)
 
 
-def test_divergence_is_the_last_round_above_twice_the_first_by_hand():
-    # ends at 2.5 > 2 × 1.0; above 1.0 from round 4 (1-based) on
+def test_divergence_is_the_last_round_above_twice_the_start_by_hand():
+    # no train_step lines: the start is round 1's mean loss. Ends at 2.5 > 2 × 1.0; above 1.0 from
+    # round 4 (1-based) on
     d = divergence(_run_with_losses([1.0, 0.5, 0.75, 1.5, 2.5]))
-    assert (d.from_round, d.first_loss, d.last_loss) == (4, 1.0, 2.5)
+    assert (d.from_round, d.start_loss, d.last_loss) == (4, 1.0, 2.5)
     # a blow-up that came back down, or ended at exactly twice the start, is not a diverged run
     assert divergence(_run_with_losses([1.0, 30.0, 0.6])) is None
     assert divergence(_run_with_losses([1.0, 0.5, 2.0])) is None
     assert divergence(_run_with_losses([1.0])) is None  # one round: nothing to compare
     # a round line without a finite loss (a hand-edited file) is skipped
     assert divergence(_run_with_losses([1.0, float("nan"), 0.5, 3.0])).from_round == 4
+
+
+def test_a_blow_up_within_round_1_is_measured_from_the_first_steps():
+    # the clients start at (1.0 + 3.0) / 2 = 2.0; round 1 blew up to a mean of 6.6 and the run ends at 5.0:
+    # under 2 × round 1's mean, over 2 × the start, and above the start from round 1 on
+    d = divergence(_run_with_losses([6.6, 9.0, 5.0], first_steps=[1.0, 3.0]))
+    assert (d.from_round, d.start_loss, d.last_loss) == (1, 2.0, 5.0)
+    # the same rounds from a start of 3.0 end at 5.0 <= 6.0: not diverged
+    assert divergence(_run_with_losses([6.6, 9.0, 5.0], first_steps=[3.0, 3.0])) is None
 
 
 def test_the_replaced_table1_values_diverged_and_the_committed_runs_did_not():
@@ -284,15 +298,18 @@ def test_a_diverged_run_is_marked_in_table_1_with_its_rounds(sweep_dir, tmp_path
     shutil.copytree(sweep_dir / "synthetic" / "fedavg", root / "synthetic" / "fedavg")
     path = root / "synthetic" / "fedavg" / "seed1" / ckpt.METRICS
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    first = next(m["mean_loss"] for m in lines if m["event"] == "round" and m["round"] == 0)
-    for m in lines:  # the last round's mean loss: 10 × the first round's
-        if m["event"] == "round" and m["round"] == 1:
-            m["mean_loss"] = 10 * first
+    # the start: the mean of the clients' first steps in round 1
+    start = statistics.fmean(m["loss"] for m in lines if m["event"] == "train_step" and m["round"] == 0
+                             and m["step"] == 0)
+    for m in lines:  # round 1's mean loss below the start, the last round's 10 × the start
+        if m["event"] == "round":
+            m["mean_loss"] = 0.9 * start if m["round"] == 0 else 10 * start
     path.write_text("".join(json.dumps(m) + "\n" for m in lines))
     assert main(["report", str(root), "--out", str(tmp_path / "r")]) == 0
     table = (tmp_path / "r" / "synthetic" / "table.md").read_text()
     assert "| FedAvg † |" in table
-    assert f"- FedAvg seed 1: mean training loss {first:.3g} in round 1, above it from round 2 on" in table
+    assert f"- FedAvg seed 1: mean training loss {start:.3g} at the start (round 1's first steps), above it " \
+           f"from round 2 on" in table
     assert "(10.0 ×)" in table and "seed 0:" not in table
     assert "- FedAvg seed 1:" in (tmp_path / "r" / "report.md").read_text()
     assert [r["diverged_seeds"] for r in csv.DictReader(open(tmp_path / "r" / "synthetic" / "table.csv"))] == ["1"]

@@ -16,6 +16,7 @@ checkpoint holds.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,11 +31,35 @@ from .errors import UserError
 
 log = logging.getLogger(__name__)
 
-# A run whose mean training loss passes this multiple of its first round's has diverged: on FLAN at
-# the paper's protocol healthy runs end at 0.22–0.97 × round 1's loss, the diverged ones at 5.5–11.6 ×
-# (docs/results/table1-flan). `Recorder.train` warns when a round passes it; `pflalign report` marks
-# a run whose last round ends above it.
+# A run whose mean training loss passes this multiple of the loss it started from (`start_loss`) has
+# diverged: on FLAN the committed healthy runs end at 0.21–0.43 × it (10 and 50 rounds; pFLAlign at
+# β = 0.99, which barely moves, 0.92 ×), the diverged ones at 3.1–6.0 × (docs/results/table1-flan,
+# tune-flan). `Recorder.train` warns when a round passes it; `pflalign report` marks a run whose last
+# round ends above it.
 DIVERGED_LOSS_RATIO = 2.0
+
+
+def start_loss(rows) -> float | None:
+    """The training loss a run started from: the mean over round 1's clients of their first local
+    step's loss, taken before any update of the run. Not round 1's mean loss: a run can blow up within
+    round 1 (FedSAM ρ = 0.5 on FLAN, seed 1: one client's loss 2.5 → 92 in its 5 steps, round 1's mean
+    6.6 against a start of 2.1), and a reference that holds the blow-up hides it. Round 1's mean loss
+    where the metrics have no train_step lines; None without either.
+
+    `rows`: a run's metrics lines; in file order they are read only up to round 1's `round` line."""
+    firsts, round1 = [], None
+    for row in rows:
+        r = row.get("round")
+        if round1 is not None and isinstance(r, int) and r > 0:
+            break  # round 1's line comes after its steps
+        loss = row.get("loss") if row.get("event") == "train_step" else row.get("mean_loss")
+        if r != 0 or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+            continue
+        if row.get("event") == "train_step" and row.get("step") == 0:
+            firsts.append(float(loss))
+        elif row.get("event") == "round":
+            round1 = float(loss)
+    return sum(firsts) / len(firsts) if firsts else round1
 
 
 # ---- the run folder -------------------------------------------------------------
@@ -128,15 +153,6 @@ def client_row(k: int, name: str, n_train: int, n_test: int, personalized: float
             "rouge_l_global": global_, "rouge_l_base": base}
 
 
-def _first_round_loss(metrics: Path) -> float | None:
-    """Round 1's mean training loss from a run's metrics.jsonl, None when it has no such line."""
-    for row in ckpt.metrics_rows(metrics):  # lazily: round 0's line comes early in a file that may be large
-        if row.get("event") == "round" and row.get("round") == 0:
-            loss = row.get("mean_loss")
-            return float(loss) if isinstance(loss, (int, float)) else None
-    return None
-
-
 @dataclass
 class RoundRecord:
     """What one round produced, as an engine hands it to the recorder."""
@@ -162,7 +178,7 @@ class Recorder:
         self.metrics: ckpt.MetricsLog | None = None
         self.saved = (0, 0)  # (rounds done, metrics offset) of the newest checkpoint on disk
         self.in_round: int | None = None  # the round being trained, for an interrupt's message
-        self.first_loss: float | None = None  # round 1's mean training loss (read back on resume)
+        self.start_loss: float | None = None  # `start_loss`, read back on resume
         self.warned_diverging = False
 
     def config(self, cfg: RunConfig) -> RunConfig:
@@ -177,7 +193,7 @@ class Recorder:
         if self.resuming:
             self.saved = (self.checkpoint["rounds_done"], self.checkpoint["metrics_offset"])
             self.metrics = ckpt.MetricsLog(self.out / ckpt.METRICS, resume_offset=self.saved[1])
-            self.first_loss = _first_round_loss(self.out / ckpt.METRICS)
+            self.start_loss = start_loss(ckpt.metrics_rows(self.out / ckpt.METRICS))  # lazily: a large file
             log.info("resuming %s after round %d of %d", self.out, self.saved[0], cfg.rounds)
         else:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -245,7 +261,7 @@ class Recorder:
             rec = train_round(r)
             seconds = time.perf_counter() - tic
             mean_loss = self.round_line(r, seconds, rec)
-            self._watch_loss(r, mean_loss)
+            self._watch_loss(r, mean_loss, rec)
             if cfg.eval.every and (r + 1) % cfg.eval.every == 0:
                 round_eval(r)
             save(r + 1, payload())
@@ -253,17 +269,19 @@ class Recorder:
         self.in_round = None
         return end
 
-    def _watch_loss(self, r: int, mean_loss: float) -> None:
-        """Warn, once a session, when a round's mean training loss passes DIVERGED_LOSS_RATIO × round
-        1's: a 50-round run can break late (FedDyn in round 44), and its log is where one looks."""
+    def _watch_loss(self, r: int, mean_loss: float, rec: RoundRecord) -> None:
+        """Warn, once a session, when a round's mean training loss passes DIVERGED_LOSS_RATIO × the
+        loss the run started from (`start_loss`): a 50-round run can break late (FedDyn in round 44)
+        or in its first round (FedSAM), and its log is where one looks."""
         if r == 0:
-            self.first_loss = mean_loss
-        elif (self.first_loss is not None and not self.warned_diverging
-              and mean_loss > DIVERGED_LOSS_RATIO * self.first_loss):
+            firsts = [res.losses[0] for res in rec.results if res.losses]
+            self.start_loss = sum(firsts) / len(firsts) if firsts else mean_loss
+        if (self.start_loss is not None and not self.warned_diverging
+                and mean_loss > DIVERGED_LOSS_RATIO * self.start_loss):
             self.warned_diverging = True
-            log.warning("round %d: mean training loss %.3g is %.1f × round 1's (%.3g): the run is diverging "
-                        "(a smaller lr or server step may hold it; pflalign report marks a run that ends so)",
-                        r + 1, mean_loss, mean_loss / self.first_loss, self.first_loss)
+            log.warning("round %d: mean training loss %.3g is %.1f × the loss the run started from (%.3g): "
+                        "the run is diverging (a smaller lr or server step may hold it; pflalign report marks "
+                        "a run that ends so)", r + 1, mean_loss, mean_loss / self.start_loss, self.start_loss)
 
     # ---- the end ----------------------------------------------------------------------
     def finish(self, results: dict, train_seconds: float, eval_seconds: float,

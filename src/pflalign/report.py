@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import checkpoint as ckpt
 from .errors import UserError
-from .lifecycle import DIVERGED_LOSS_RATIO
+from .lifecycle import DIVERGED_LOSS_RATIO, start_loss
 from .methods import FAMILIES, family, label, method_order  # noqa: F401  (FAMILIES: the table's row groups)
 
 
@@ -199,10 +199,11 @@ def find_runs(root: Path) -> tuple[list[Run], list[str]]:
 # ---- runs whose training diverged ---------------------------------------------
 @dataclass
 class Divergence:
-    """A run whose last round ended with more than DIVERGED_LOSS_RATIO × its first round's mean training loss."""
+    """A run whose last round ended with more than DIVERGED_LOSS_RATIO × the training loss it started
+    from (`lifecycle.start_loss`)."""
 
-    from_round: int  # 1-based (as the run's log): the first of the final rounds that stayed above round 1
-    first_loss: float
+    from_round: int  # 1-based (as the run's log): the first of the final rounds that stayed above the start
+    start_loss: float
     last_loss: float
 
 
@@ -216,19 +217,19 @@ def round_losses(run: Run) -> list[tuple[int, float]]:
 
 def divergence(run: Run) -> Divergence | None:
     """How the run diverged, or None when its last round's mean training loss is at most
-    DIVERGED_LOSS_RATIO × its first round's.
+    DIVERGED_LOSS_RATIO × the loss it started from.
 
-    Why a ratio (2, lifecycle.py says where it comes from) and not "above round 1": a run that barely
+    Why a ratio (2, lifecycle.py says where it comes from) and not "above the start": a run that barely
     learns (pFLAlign at β = 0.99, a 2-round toy) ends near 1 ×, above it by noise. The scores of a
     diverged run are real, but they measure the blow-up."""
     rounds = round_losses(run)
-    if len(rounds) < 2 or rounds[-1][1] <= DIVERGED_LOSS_RATIO * rounds[0][1]:
+    start = start_loss(run.metrics)
+    if len(rounds) < 2 or start is None or rounds[-1][1] <= DIVERGED_LOSS_RATIO * start:
         return None
-    first = rounds[0][1]
-    start = len(rounds) - 1
-    while start > 1 and rounds[start - 1][1] > first:
-        start -= 1
-    return Divergence(rounds[start][0] + 1, first, rounds[-1][1])
+    i = len(rounds) - 1
+    while i > 0 and rounds[i - 1][1] > start:
+        i -= 1
+    return Divergence(rounds[i][0] + 1, start, rounds[-1][1])
 
 
 def divergence_notes(runs: list[Run]) -> list[str]:
@@ -238,9 +239,10 @@ def divergence_notes(runs: list[Run]) -> list[str]:
         for r in sorted((r for r in runs if r.method == method), key=lambda r: r.seed):
             d = divergence(r)
             if d is not None:
-                notes.append(f"{label(method)} seed {r.seed}: mean training loss {d.first_loss:.3g} in round 1, above "
+                notes.append(f"{label(method)} seed {r.seed}: mean training loss {d.start_loss:.3g} at the start "
+                             f"(round 1's first steps), above "
                              f"it from round {d.from_round} on, {d.last_loss:.3g} in the last round "
-                             f"({d.last_loss / d.first_loss:.1f} ×)")
+                             f"({d.last_loss / d.start_loss:.1f} ×)")
     return notes
 
 
@@ -639,9 +641,9 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
         table = table_markdown([] if many else tasks, rows)
         diverged = divergence_notes(mine)
         if diverged:
-            table += (f"\n† Diverged: the run's last round ended with more than {DIVERGED_LOSS_RATIO:g} × its first "
-                      "round's mean training loss; its scores measure the blow-up, not the method at a working "
-                      "setting.\n\n"
+            table += (f"\n† Diverged: the run's last round ended with a mean training loss above "
+                      f"{DIVERGED_LOSS_RATIO:g} × the loss it started from (its clients' first steps in round 1); "
+                      "its scores measure the blow-up, not the method at a working setting.\n\n"
                       + "".join(f"- {n}\n" for n in diverged))
         (folder / "table.md").write_text(table)
         write_table_csv(folder / "table.csv", tasks, rows)
