@@ -14,13 +14,15 @@ TASK = "structure_to_text"
 T2 = 4.302652729911275  # t_{0.975, 2}: three seeds
 
 
-def fake_run(method, seed, score, gsnr=(0.3, 0.3), consistency=(0.1,), update_norms=(0.1,)):
+def fake_run(method, seed, score, gsnr=(0.3, 0.3), consistency=(0.1,), update_norms=(0.1,), losses=None):
     """One finished run: one client (TASK) with personalized ROUGE-L `score`; its GSNR ratio in
-    rounds 1 and 10 (`gsnr`); the rounds' consistency; the client's update norms."""
+    rounds 1 and 10 (`gsnr`); the rounds' consistency and mean training losses (1.0 each unless
+    given); the client's update norms."""
     results = {"method": method, "seed": seed, "avg_rouge_l_personalized": score,
                "clients": [{"id": 0, "task": TASK, "rouge_l_personalized": score}]}
-    metrics = [{"event": "round", "round": r, "consistency_update_norm": c, "mean_loss": 1.0}
-               for r, c in enumerate(consistency)]
+    losses = losses or [1.0] * len(consistency)
+    metrics = [{"event": "round", "round": r, "consistency_update_norm": c, "mean_loss": loss}
+               for r, (c, loss) in enumerate(zip(consistency, losses))]
     metrics += [{"event": "client_round", "round": r, "client": 0, "update_norm": u}
                 for r, u in enumerate(update_norms)]
     metrics += [{"event": "client_round", "round": r, "client": 0, "gsnr_ratio": g}
@@ -75,6 +77,18 @@ def test_fedsam_and_fedyogi_trail_are_judged_separately():
     # one seed: no interval, so neither holds nor fails yet (FedAvg − FedSAM = +6)
     v = verdict(runs_of({"fedavg": [50], "fedsam": [44]}), "3 (FedSAM)")
     assert v.outcome == NOT_JUDGED and "+6.00 (one seed, no interval)" in v.evidence
+
+
+def test_a_diverged_run_counts_and_is_named():
+    # FedSAM seed 1's loss ends at 3 × its start (report's test: above 2 ×); the rule still counts its
+    # score: FedAvg − FedSAM 6, 40, 8 → 18 ± 4.303·18.7/√3, not above 0
+    runs = runs_of({"fedavg": [50, 50, 50], "fedsam": [44, 10, 42]})
+    runs[4] = fake_run("fedsam", 1, 10, consistency=(0.1, 0.1), losses=[1.0, 3.0])
+    v = verdict(runs, "3 (FedSAM)")
+    assert v.outcome == DOES_NOT_HOLD and v.evidence.endswith("; diverged (†), counted as in the table: FedSAM seed 1")
+    assert "FedAvg −" in v.evidence and "diverged" not in verdict(runs, "3 (FedYogi)").evidence
+    assert "† Diverged runs count in these verdicts" in claims_markdown(runs, TASK)
+    assert "† Diverged" not in claims_markdown(runs_of({"fedavg": [50, 50, 50], "fedsam": [44, 10, 42]}), TASK)
 
 
 def test_gsnr_rises_fastest_needs_the_largest_change_and_a_rise():

@@ -22,6 +22,9 @@ seeds both methods ran):
    mean over rounds) is the lowest; stated beside the clients' mean update norm,
    because that is what the number measures.
 
+A run that diverged (report's † test) counts like any other, as the rules make no exception; claim
+3's evidence and a line under the verdicts name it, so a verdict carried by a blow-up says so.
+
 `pflalign report --claims` writes the verdicts under each dataset's tables.
 """
 
@@ -98,6 +101,11 @@ def _method_means(runs: list[Run], per_run, *keys: str) -> list[dict[str, float]
     return out
 
 
+def _diverged(rows: list[Row], methods) -> list[str]:
+    """"FedSAM seed 1", ... for the runs of `methods` (in row order) whose training diverged (report's †)."""
+    return [f"{label(row.method)} seed {s}" for row in rows if row.method in methods for s in row.diverged_seeds]
+
+
 def _paired(tasks: list[str], runs: list[Run], reference: str) -> dict[str, Paired]:
     return {p.method: p for p in paired_differences(tasks, runs, reference)}
 
@@ -153,6 +161,9 @@ def claim_trails(tasks: list[str], runs: list[Run], rows: list[Row], method: str
         return Verdict(number, claim, NOT_JUDGED, f"needs FedAvg and {label(method)}")
     p = _paired(tasks, runs, FEDAVG).get(method)
     evidence = f"FedAvg − {label(method)} on Avg: {_diff(p)}{_short_of_zero(p)}"
+    diverged = _diverged(rows, (FEDAVG, method))
+    if diverged:  # the rule counts every run; the reader should know when a blow-up carries the difference
+        evidence += f"; diverged (†), counted as in the table: {', '.join(diverged)}"
     outcome = NOT_JUDGED if not _has_interval(p) else HOLDS if _above_zero(p) else DOES_NOT_HOLD
     return Verdict(number, claim, outcome, evidence)
 
@@ -213,4 +224,9 @@ def claims_markdown(runs: list[Run], task: str) -> str:
         head = f"All {total} runs of Table 1 are in ({len(TABLE1_METHODS)} methods × {TABLE1_SEEDS} seeds)."
     lines = [head, "", "| # | The paper's claim | Verdict | On what |", "| :-- | :-- | :-- | :-- |"]
     lines += [f"| {v.number} | {v.claim} | {v.outcome} | {v.evidence} |" for v in judge(runs, task)]
+    diverged = _diverged(summarize(runs)[1], TABLE1_METHODS)
+    if diverged:
+        lines += ["", f"† Diverged runs count in these verdicts as in the table's means (the rules make no "
+                      f"exception): {', '.join(diverged)}. A verdict that rests on one rests on a blow-up, not on "
+                      "the method at a working setting."]
     return "\n".join(lines) + "\n"
