@@ -23,6 +23,11 @@ of a temporary directory (``FLWR_HOME`` there too: ``~/.flwr`` is untouched):
   127.0.0.1 (insecure), one per client (``partition-id`` k), then ``flwr run``:
   every message to a client starts a new ClientApp process (Flower's
   ``--isolation subprocess``) that loads the model and its data again.
+* ``deployment-fork``: the same, with the SuperLink and the SuperNodes in
+  ``--isolation process`` beside a ``pflalign-superexec`` each
+  (`pflalign.flower.superexec`): every ServerApp and ClientApp process is forked
+  from one that has torch, transformers and Flower imported (it still loads the
+  model and its data again).
 
 Measured, per engine (wall clock, ``time.monotonic``):
 
@@ -116,7 +121,7 @@ from pflalign.flower.cluster import Cluster, Processes
 from pflalign.partition import client_names
 
 REPO = Path(__file__).resolve().parents[1]  # the Flower app's project folder
-ENGINES = ("inprocess", "simulation", "deployment")
+ENGINES = ("inprocess", "simulation", "deployment", "deployment-fork")
 PRESET = "flan-paper"
 DEFAULT_SET = ["model=smollm2-135m", "rounds=2", "local_steps=5", "data.max_test=4", "eval.base_model=false",
                "eval.max_new_tokens=16"]
@@ -182,8 +187,8 @@ class ProcessMeter:
     between two readings loses at most `every` seconds; Flower's short-lived app processes stay
     zombies (readable) until their SuperExec starts the next one, so they are read to the end."""
 
-    KINDS = ("flwr-clientapp", "flwr-serverapp", "flwr-simulation", "flower-superexec", "flower-supernode",
-             "flower-superlink", "raylet", "gcs_server", "ray::", "ray", "pflalign")
+    KINDS = ("flwr-clientapp", "flwr-serverapp", "flwr-simulation", "flower-superexec", "pflalign-superexec",
+             "flower-supernode", "flower-superlink", "raylet", "gcs_server", "ray::", "ray", "pflalign")
 
     def __init__(self, procs: Processes, every: float = 1.0):
         self.procs, self.every = procs, every
@@ -214,7 +219,11 @@ class ProcessMeter:
                         key, cpu = (p.pid, p.create_time()), p.cpu_times()
                         entry = self.seen.get(key)
                         if entry is None:
-                            entry = self.seen[key] = {"kind": self.kind(p.cmdline(), p.name()), "first": now}
+                            kind = self.kind(p.cmdline(), p.name())
+                            parent = p.parent()
+                            if kind == "pflalign-superexec" and parent and self.kind(parent.cmdline(), "") == kind:
+                                kind = "app forked by pflalign-superexec"  # a ServerApp's or ClientApp's task
+                            entry = self.seen[key] = {"kind": kind, "first": now}
                         entry["cpu_s"], entry["last"] = cpu.user + cpu.system, now
                 except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
                     continue
@@ -302,7 +311,8 @@ def run_engine(engine: str, root: Path, config: Path, clients: int, timeout: flo
         procs = Processes(root, env)
     else:
         procs = Cluster(root, REPO, clients, simulation=engine == "simulation",
-                        client_cpus=threads.get("client_cpus", 1), env=env, runtime_cpus=threads.get("runtime_cpus"))
+                        client_cpus=threads.get("client_cpus", 1), env=env, runtime_cpus=threads.get("runtime_cpus"),
+                        fork_apps=engine == "deployment-fork")
     try:
         startup = 0.0  # in-process: nothing to start
         if isinstance(procs, Cluster):
@@ -313,7 +323,7 @@ def run_engine(engine: str, root: Path, config: Path, clients: int, timeout: flo
                     procs.start_node(k)
             startup = time.monotonic() - tic
         meter = None
-        if engine == "deployment":
+        if engine.startswith("deployment"):
             meter = WireMeter({procs.procs[f"node{k}"].pid for k in range(clients)}, procs.link_port)
             meter.mark()
         t0 = time.monotonic()

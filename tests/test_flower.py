@@ -249,8 +249,11 @@ def test_expected_updates_follow_the_method_and_bad_metrics_are_rejected():
 
 # ---- processes -----------------------------------------------------------------------------
 def make_cluster(root: Path, simulation: bool = False, app: Path = REPO) -> Cluster:
-    """Two clients (the tiny federation's), the model cache under `root`, one thread per process."""
-    return Cluster(root, app, clients=2, simulation=simulation,
+    """Two clients (the tiny federation's), the model cache under `root`, one thread per process.
+    Deployment: the ServerApps and ClientApps forked by pflalign-superexec (they start with torch,
+    transformers and Flower imported); the TLS test in test_flower_privacy.py runs Flower's own
+    SuperExecs instead (a new process per run and message, Flower's default)."""
+    return Cluster(root, app, clients=2, simulation=simulation, fork_apps=True,
                    env={"PFLALIGN_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1"})
 
 
@@ -338,7 +341,8 @@ def test_a_killed_client_node(tmp_path, reference):
     """Client 1's node dies in round 2. With min-clients=1 (the node crashes: SIGKILL) the
     round and the run finish without it; with every client required (the node is stopped:
     SIGTERM) the run stops with a clear error and a checkpoint from which the run, once the
-    node is back, resumes to the in-process result."""
+    node is back, resumes to the in-process result. The crashed node's pflalign-superexec and
+    its ClientApp children die with it, as Flower's own SuperExec would (it is the node's child)."""
     cluster = make_cluster(tmp_path)
     try:
         cluster.start_link()

@@ -183,19 +183,29 @@ class Cluster(Processes):
     certificate for 127.0.0.1 signed by that CA): the SuperLink serves TLS, the
     SuperNodes and `flwr` trust the CA; with `node_auth` too, the SuperLink runs with
     ``--enable-supernode-auth`` and a SuperNode connects with its private key
-    (`start_node`'s `key`), once its public key is registered (`register`)."""
+    (`start_node`'s `key`), once its public key is registered (`register`).
+
+    `fork_apps` (Deployment Engine, no TLS): the SuperLink and each SuperNode run with
+    ``--isolation process`` beside a ``pflalign-superexec`` (`pflalign.flower.superexec`), which
+    forks every ServerApp and ClientApp process from one that has torch, transformers and Flower
+    imported; False: Flower's own SuperExecs, a new ``flwr-serverapp`` process per run and
+    ``flwr-clientapp`` process per message (Flower's default). Either way the SuperExecs look
+    for tasks every 0.1 s (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``; Flower's default is 1 s)."""
 
     def __init__(self, root: Path, app: Path, clients: int, simulation: bool = False, client_cpus: int = 1,
                  env: dict | None = None, tls: Path | None = None, node_auth: bool = False,
-                 runtime_cpus: int | None = None):
+                 runtime_cpus: int | None = None, fork_apps: bool = False):
         home = Path(root) / "flwr-home"
-        super().__init__(root, {"FLWR_HOME": str(home), **(env or {})})
+        super().__init__(root, {"FLWR_HOME": str(home), "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1", **(env or {})})
         self.app = fab_folder(Path(app), self.root / "app")  # what `flwr run` bundles, not a whole checkout
         self.clients, self.simulation, self.client_cpus = clients, simulation, client_cpus
         self.runtime_cpus = runtime_cpus
+        self.fork_apps = fork_apps and not simulation
         self.tls, self.node_auth = (Path(tls) if tls else None), node_auth
         if node_auth and not tls:
             raise ValueError("SuperNode authentication needs TLS")
+        if self.fork_apps and tls:
+            raise ValueError("fork_apps: this harness starts pflalign-superexec on insecure clusters only")
         self.link_port = free_port()
         home.mkdir(parents=True, exist_ok=True)
         security = f'root-certificates = "{self.tls / "ca.crt"}"' if self.tls else "insecure = true"
@@ -211,7 +221,11 @@ class Cluster(Processes):
             security = ["--insecure"]
         args = [str(BIN / "flower-superlink"), *security, "--host", "127.0.0.1", "--port", str(self.link_port),
                 "--disable-runtime-dependency-installation"]
-        self.start("superlink", args + (["--simulation"] if self.simulation else []), self.link_port)
+        args += ["--simulation"] if self.simulation else []
+        args += ["--isolation", "process"] if self.fork_apps else []
+        link = self.start("superlink", args, self.link_port)
+        if self.fork_apps:
+            self.start_superexec("superlink", self.link_port, link.pid)
 
     def start_node(self, k: int, key: Path | None = None, name: str | None = None) -> None:
         """The SuperNode of client k (partition-id k), its state in `state_dir(k)`; `key`: its
@@ -220,9 +234,18 @@ class Cluster(Processes):
         config = f'partition-id={k} num-partitions={self.clients} state-dir="{self.state_dir(k)}"'
         security = ["--root-certificates", str(self.tls / "ca.crt")] if self.tls else ["--insecure"]
         security += ["--auth-supernode-private-key", str(key)] if key else []
-        self.start(name or f"node{k}", [str(BIN / "flower-supernode"), *security, "--superlink",
-                                        f"127.0.0.1:{self.link_port}", "--port", str(port), "--node-config", config],
-                   port)
+        isolation = ["--isolation", "process"] if self.fork_apps else []
+        name = name or f"node{k}"
+        node = self.start(name, [str(BIN / "flower-supernode"), *security, *isolation, "--superlink",
+                                 f"127.0.0.1:{self.link_port}", "--port", str(port), "--node-config", config], port)
+        if self.fork_apps:
+            self.start_superexec(name, port, node.pid)
+
+    def start_superexec(self, name: str, port: int, parent: int) -> None:
+        """pflalign-superexec for the SuperLink or SuperNode `name`, whose Runtime API is on `port` and
+        whose process is `parent` (the SuperExec Flower's would otherwise start itself, and ends with it)."""
+        self.start(f"{name}-superexec", [str(BIN / "pflalign-superexec"), "--insecure", "--runtime-api-address",
+                                         f"127.0.0.1:{port}", "--parent-pid", str(parent)])
 
     def register(self, public_key: Path) -> str:
         """`flwr supernode register` of a SuperNode's public key (OpenSSH format); its output."""
@@ -237,8 +260,15 @@ class Cluster(Processes):
         its heartbeats stop); else SIGTERM to the SuperNode, which deregisters and stops."""
         self.track()
         node = self.procs.pop(f"node{k}")
+        superexec = self.procs.pop(f"node{k}-superexec", None)  # fork_apps: ends with its node (--parent-pid)
         family = [psutil.Process(node.pid)]
-        family += family[0].children(recursive=True) if crash else []
+        if crash:  # the node's tree, and with fork_apps its SuperExec's, as Flower's SuperExec is the node's child
+            family += family[0].children(recursive=True)
+            if superexec is not None:
+                try:
+                    family += [psutil.Process(superexec.pid), *psutil.Process(superexec.pid).children(recursive=True)]
+                except psutil.NoSuchProcess:
+                    pass
         for p in family:
             try:
                 p.send_signal(signal.SIGKILL if crash else signal.SIGTERM)
@@ -249,6 +279,9 @@ class Cluster(Processes):
     def flwr_run(self, run_config: dict, name: str) -> subprocess.Popen:
         """`flwr run` of the app (in the background; `finish(name)` waits for it: it streams the
         ServerApp's log until the run ends)."""
+        for started, proc in self.procs.items():  # a run would wait for its tasks until connect-timeout
+            if started.endswith("-superexec") and proc.poll() is not None:
+                raise RuntimeError(f"{started} exited with {proc.returncode}:\n{self.log(started)[-3000:]}")
         items = []
         for key, value in run_config.items():
             if isinstance(value, bool):
