@@ -24,10 +24,11 @@ from pflalign.flower.cluster import BIN
 
 from test_flower import REPO, RUN_TIMEOUT, assert_close, check_closed, make_cluster, tiny
 
-# The runs of a test go one after the other: started together on a loaded machine, Flower
-# 1.41's SuperExec kept launching more ServerApp processes for the runs whose first process had
-# not started yet (dozens, seen on 2 cores), and runs waiting for the two SuperNodes' turn ran
-# past connect-timeout.
+# The runs of a test start together, their ServerApps forked by pflalign-superexec, which start at
+# once. (With Flower's own SuperExec, a flwr-serverapp process takes seconds to import torch, and on
+# a loaded 2-core machine Flower 1.41's SuperExec kept launching more of them for the runs whose
+# first process had not started yet, dozens; so these runs went one after the other until
+# 2026-11-25: 8 runs 184 s, together 67 s.)
 ONE_ROUND = {"rounds": 1, "eval": {"max_new_tokens": 4, "batch_size": 4, "base_model": False}}
 
 
@@ -242,14 +243,12 @@ def test_secagg_and_dp_on_loopback(tmp_path):
         cluster.start_link()
         cluster.start_node(0)
         cluster.start_node(1)
-        logs = {}
-        for name, options in runs.items():  # one after the other (see above ONE_ROUND)
+        for name, options in runs.items():  # together: forked ServerApps start at once
             cluster.flwr_run({"set": json.dumps(base), "out": str(tmp_path / name), **options}, name)
-            logs[name] = cluster.finish(name, RUN_TIMEOUT)
         # a method whose rule needs each upload: refused at the start, in one line
         cluster.flwr_run({"set": json.dumps({**tiny("scaffold"), **ONE_ROUND}), "out": str(tmp_path / "refused"),
                           "secagg": True}, "refused")
-        logs["refused"] = cluster.finish("refused", RUN_TIMEOUT)
+        logs = {name: cluster.finish(name, RUN_TIMEOUT) for name in [*runs, "refused"]}
     finally:
         cluster.close()
     check_closed(cluster)
@@ -445,11 +444,10 @@ def test_what_of_a_clients_state_reaches_the_server(tmp_path):
         cluster.start_link()
         cluster.start_node(0)
         cluster.start_node(1)
-        logs = {}
-        for name, (method, options) in runs.items():  # one after the other (see above ONE_ROUND)
+        for name, (method, options) in runs.items():  # together: forked ServerApps start at once
             cluster.flwr_run({"set": json.dumps({**tiny(method), **ONE_ROUND}), "out": str(tmp_path / name),
                               **options}, name)
-            logs[name] = cluster.finish(name, RUN_TIMEOUT)
+        logs = {name: cluster.finish(name, RUN_TIMEOUT) for name in runs}
     finally:
         cluster.close()
     check_closed(cluster)
