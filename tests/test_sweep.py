@@ -205,3 +205,24 @@ def test_bad_sweep_config_is_one_line_exit_2(tmp_path, capsys, text, extra, need
 def test_preset_without_data_dir_is_refused(tmp_path, capsys):
     assert main(["sweep", "--config", "table1-flan", "--out", str(tmp_path / "out")]) == 2
     assert "--data-dir" in capsys.readouterr().err
+
+
+def test_a_run_that_blows_up_stops_alone_and_the_sweep_goes_on(sweep_file, tmp_path, capsys):
+    """A first dataset at lr 1e30 reaches a non-finite loss in round 1: its two runs stop, the
+    second dataset's two still run to the end, and the sweep ends with one line naming the
+    stopped ones (exit 2)."""
+    bad = '[[datasets]]\nname = "blowup"\nset = { lr = 1e30, data = { clients = ["arithmetic", "sorting"], max_train = 4, max_test = 2 } }\n\n'
+    sweep_file.write_text(sweep_file.read_text().replace("[[datasets]]", bad + "[[datasets]]", 1))
+    out = tmp_path / "out"
+    assert main(["sweep", "--config", str(sweep_file), "--out", str(out), "--no-progress", "--seeds", "0"]) == 2
+    captured = capsys.readouterr()
+    runs = plan_sweep(str(sweep_file), out, seeds=[0])
+    assert [r.key for r in runs] == ["blowup/fedavg/seed0", "blowup/pflalign/seed0", "synth/fedavg/seed0",
+                                     "synth/pflalign/seed0"]
+    assert "[1/4] blowup/fedavg/seed0: stopped after" in captured.out and "non-finite" in captured.out
+    assert "[4/4] synth/pflalign/seed0: finished in" in captured.out
+    err = captured.err.strip()
+    assert "\n" not in err and err.startswith("pflalign: error: 2 of 4 runs finished; 2 stopped on a non-finite value")
+    assert "blowup/fedavg/seed0 (" in err and "blowup/pflalign/seed0 (" in err
+    assert [r.state() for r in runs][2:] == ["finished", "finished"]
+    assert not any((r.out / ckpt.RESULTS).exists() for r in runs[:2])

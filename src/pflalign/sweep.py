@@ -34,7 +34,8 @@ made with a different config is refused, so a table never mixes settings.
 `--done DIR` names folders of finished runs kept elsewhere in the same layout
 (e.g. the small files committed under docs/results/table1-flan/runs): a run
 found there with the same config counts as finished, so a fresh machine runs
-only what is left.
+only what is left. A run whose training reaches a NaN or Inf stops alone (its last
+checkpoint kept) and the sweep goes on; it ends with one line naming such runs, exit 2.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from .config import RunConfig, build_config, load_config_source, to_dict
-from .errors import UserError
+from .errors import TrainingDiverged, UserError
 from .methods import method_class
 from .report import read_results
 
@@ -297,13 +298,16 @@ def _check_same_config(run: PlannedRun) -> None:
 
 
 def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1) -> list[dict]:
-    """Run the planned runs one after another (`workers`: engine.run's); returns each one's results."""
+    """Run the planned runs one after another (`workers`: engine.run's); returns each finished
+    one's results. A run whose training reaches a non-finite value stops (engine.run keeps its last
+    checkpoint) and the sweep goes on with the others: one grid point that blows up does not cost the
+    rest of the grid. Such runs are named, with what happened, in one UserError at the end."""
     from .engine import run as run_one
 
     bar = tqdm(total=len(runs), desc="sweep", unit="run", disable=not progress)
     say = tqdm.write if progress else print
     width = len(str(len(runs)))
-    all_results = []
+    all_results, stopped = [], []
     for i, r in enumerate(runs, start=1):
         head = f"[{i:>{width}}/{len(runs)}] {r.key}"
         state = r.state()
@@ -319,12 +323,21 @@ def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1) -
             tic = time.perf_counter()
             resume = state == "unfinished"
             # a 'new' run may hold leftovers of a first round that never finished: start afresh
-            results = run_one(None if resume else r.cfg, r.out, resume=resume, overwrite=not resume,
-                              progress=progress, workers=workers)
+            try:
+                results = run_one(None if resume else r.cfg, r.out, resume=resume, overwrite=not resume,
+                                  progress=progress, workers=workers)
+            except TrainingDiverged as exc:
+                say(f"{head}: stopped after {(time.perf_counter() - tic) / 60:.1f} min: {exc}")
+                stopped.append(f"{r.key} ({exc})")
+                bar.update(1)
+                continue
             what = "resumed and finished" if resume else "finished"
             say(f"{head}: {what} in {(time.perf_counter() - tic) / 60:.1f} min, "
                 f"avg ROUGE-L {results['avg_rouge_l_personalized']:.2f}")
         all_results.append(results)
         bar.update(1)
     bar.close()
+    if stopped:
+        raise UserError(f"{len(all_results)} of {len(runs)} runs finished; {len(stopped)} stopped on a non-finite "
+                        f"value (the same sweep command tries them again): {'; '.join(stopped)}")
     return all_results
