@@ -225,8 +225,9 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
         if max(len(c["loss"][0]) for c in curves.values()) > 60 and window > 1:  # many steps: one round's mean
             curves = {m: {"loss": _moving_mean(*c["loss"], window)} for m, c in curves.items()}
             ylabel = f"training loss (mean of the last {window} steps)"
+        # log scale once the curves span a decade: a diverged run (loss 5-40) then leaves the others readable
         return _line_figure(path, curves, [("loss", ylabel)], "local step (all rounds)",
-                            f"Training loss, client {task}")
+                            f"Training loss, client {task}", log_y=True)
 
     def consistency(path: Path) -> bool:
         def of_round(key):
@@ -236,7 +237,7 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
         curves = _by_method(runs, {"update": of_round("consistency_update_norm")})
         return _line_figure(path, curves,
                             [("update", r"$\Sigma_k\, p_k \|w_k^{r+1} - w^r\|$ (lower: more consistent)")],
-                            "round", r"Aggregation consistency, $p_k = |D_k| \,/\, \Sigma_j |D_j|$")
+                            "round", r"Aggregation consistency, $p_k = |D_k| \,/\, \Sigma_j |D_j|$", log_y=True)
 
     def bars(path: Path) -> bool:
         if len(tasks) > MAX_BAR_CLIENTS:
