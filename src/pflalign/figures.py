@@ -225,7 +225,7 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
         if max(len(c["loss"][0]) for c in curves.values()) > 60 and window > 1:  # many steps: one round's mean
             curves = {m: {"loss": _moving_mean(*c["loss"], window)} for m, c in curves.items()}
             ylabel = f"training loss (mean of the last {window} steps)"
-        # log scale once the curves span a decade: a diverged run (loss 5-40) then leaves the others readable
+        # log scale once the curves span a decade: a diverged run (FLAN: loss 5–106) then leaves the others readable
         return _line_figure(path, curves, [("loss", ylabel)], "local step (all rounds)",
                             f"Training loss, client {task}", log_y=True)
 
