@@ -31,6 +31,7 @@ def hand_round(w_global, state):
         step = {"alpha": [], "gamma": []}
         for i in range(2):
             g = A[i] * (w[i] - C[i])
+            step.setdefault("g", []).append(g)
             m[i] = BETA * m[i] + (1 - BETA) * g
             v[i] = BETA * v[i] + (1 - BETA) * g * g
             alpha = 1 - (1 - BETA) * g * g / (v[i] + EPS)
@@ -84,6 +85,58 @@ def test_two_rounds_match_hand_computation():
     assert gammas_seen[0] == [0.5, 0.5] and gammas_seen[1] == [0.5, 0.5]
     later = gammas_seen[2] + gammas_seen[3]
     assert any(g > 0.5 for g in later) and any(g < 0.5 for g in later)
+
+
+def test_round_metrics_match_hand_computation():
+    """What the metrics line records of a round (P's distribution, ‖P⊙g‖/‖g‖, the step and
+    correction lengths, the mean gate, ‖Δ_k‖) against the hand computation of round 2 (Δ ≠ 0),
+    and the measuring leaves the update exactly as without it."""
+    method = PFLAlign(PFLAlignArgs(beta=BETA, eps=EPS))
+    global_params = {"w": torch.tensor(W0, dtype=torch.float64)}
+    state = method.init_client_state(global_params)
+    hand_global, hand_state = list(W0), {"delta": [0.0, 0.0], "v": [0.0, 0.0], "P": [0.0, 0.0]}
+    for r in range(2):
+        delta_start = list(hand_state["delta"])
+        params = method.client_start(global_params, state, {})
+        hand_w, trace = hand_round(hand_global, hand_state)
+        for t in range(T):
+            method.local_step(params, quadratic_grad_fn(params), state, StepContext(r, t, T, LR, global_params))
+        got = method.round_metrics(global_params, params, state)
+        message = method.client_end(global_params, params, state)
+        assert "round_stats" not in state  # scratch, not persistent
+        global_params, hand_global = message["params"], hand_w
+    assert params["w"].tolist() == pytest.approx(hand_w, rel=1e-12)
+    norm = lambda xs: math.sqrt(sum(x * x for x in xs))  # noqa: E731
+    ratio = [norm([s["P"][i] * s["g"][i] for i in range(2)]) / norm(s["g"]) for s in trace]
+    expected = {
+        "step_ratio": sum(ratio) / T,
+        "step_norm": sum(LR * norm([s["P"][i] * s["g"][i] for i in range(2)]) for s in trace) / T,
+        "correction_norm": sum(norm([s["gamma"][i] * delta_start[i] for i in range(2)]) / T for s in trace) / T,
+        "gamma_mean": sum(sum(s["gamma"]) for s in trace) / (2 * T),
+        "delta_norm": norm(delta_start),
+        "P_mean": sum(trace[-1]["P"]) / 2, "P_median": min(trace[-1]["P"]),  # the lower middle value
+        "P_p90": max(trace[-1]["P"]), "P_max": max(trace[-1]["P"]),
+    }
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert norm(delta_start) > 0 and expected["correction_norm"] > 0
+    # P ≡ 1 steps like SGD: the ratio is 1 and P's distribution is not reported
+    plain = METHODS["pflalign-no-precond"]()
+    state = plain.init_client_state(global_params)
+    params = plain.client_start(global_params, state, {})
+    plain.local_step(params, quadratic_grad_fn(params), state, StepContext(0, 0, T, LR, global_params))
+    got = plain.round_metrics(global_params, params, state)
+    assert got["step_ratio"] == 1.0 and "P_mean" not in got
+
+
+def test_personalized_model_is_w_kT_or_w_R_plus_delta():
+    glob = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    own = {"w": torch.tensor([5.0, 5.0], dtype=torch.float64)}
+    state = {"delta": {"w": torch.tensor([0.25, -0.5], dtype=torch.float64)}}
+    assert PFLAlign().personalized_after_aggregation(glob, own, state) is own
+    after = PFLAlign(PFLAlignArgs(personalized="after_aggregation")).personalized_after_aggregation(glob, own, state)
+    assert after["w"].tolist() == [1.25, 1.5]
+    with pytest.raises(ValueError, match="personalized must be one of w_kT, after_aggregation"):
+        PFLAlignArgs(personalized="last")
 
 
 def test_first_step_preconditioner_is_one_minus_beta_squared():

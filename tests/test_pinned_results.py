@@ -13,6 +13,18 @@ and predictions, pinned the same way.
 The hashes were written at the commit before issue 18's refactor. To write
 them again (only for an intended change of numbers), run this module with
 ``PFLALIGN_PIN_WRITE=1``.
+
+The last bits of a float computation depend on the CPU's kernels (MKL and
+ATen pick code paths by instruction set; a reduction's order decides its
+rounding), so the same code gives other bits on another kind of host: on
+2026-11-26 a new host gave every method's results.json and predictions the
+pinned hashes, and other tensor bits. Pins are therefore kept per host
+kind, keyed by `numerics_fingerprint` (a digest of plain torch kernels the
+runs use, independent of pflalign's code). On a pinned host every hash must
+match; on an unknown one only the host-independent hashes can be compared
+(results, predictions, config), and the test warns that the bitwise
+comparison was not made. Pin a new host from a commit known to be right
+(the tests passing on a pinned host), never from the change under test.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -129,16 +142,50 @@ def flower_config(method: str) -> dict:
     return tiny(method)
 
 
+HOST_INDEPENDENT = ("results", "predictions", "config")  # equal on every host seen so far
+
+
+def numerics_fingerprint() -> str:
+    """A digest of what this host's torch kernels make of fixed inputs: matrix products of the
+    tiny models' shapes, their backward, softmax, reductions and the pointwise functions the
+    methods use (erf, sqrt, rsqrt, exp, division). Two hosts with the same fingerprint round
+    alike; pflalign's code takes no part in it, so a change to pflalign cannot move a run to
+    another host's pins."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(37, 64, generator=g) - 0.5
+    w1, w2 = (torch.rand(64, 176, generator=g) - 0.5).requires_grad_(), torch.rand(176, 61, generator=g) - 0.5
+    h = torch.nn.functional.silu(x @ w1)
+    logits = (h @ w2) * torch.rsqrt((h * h).mean(-1, keepdim=True) + 1e-6)
+    loss = torch.nn.functional.cross_entropy(logits, torch.arange(37) % 61)
+    loss.backward()
+    v = w1.grad.square() + 1e-12
+    out = [loss.detach().reshape(1), w1.grad, torch.softmax(logits.detach(), -1), torch.erf(w1.grad / v.sqrt()),
+           v.reciprocal(), torch.exp(x), x.sum(0), (x.double() * 3).sum().reshape(1)]
+    return digest(out)[:16]
+
+
 def check(kind: str, got: dict) -> None:
-    pins = json.loads(PINS.read_text()) if PINS.exists() else {}
+    pins = json.loads(PINS.read_text()) if PINS.exists() else {"hosts": {}}
+    host = numerics_fingerprint()
     if WRITE:
-        pins.setdefault(kind, {}).update(got)
+        entry = pins["hosts"].setdefault(host, {})
+        entry.setdefault(kind, {}).update(got)
         PINS.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
         return
-    expected = pins[kind]
-    for name in sorted(got):
-        assert got[name] == expected[name], f"{kind} {name}: results differ from the pinned ones"
-    assert sorted(got) == sorted(expected), f"{kind}: methods pinned {sorted(expected)}, run {sorted(got)}"
+    if host in pins["hosts"]:
+        expected = pins["hosts"][host][kind]
+        for name in sorted(got):
+            assert got[name] == expected[name], f"{kind} {name}: results differ from the pinned ones"
+        assert sorted(got) == sorted(expected), f"{kind}: methods pinned {sorted(expected)}, run {sorted(got)}"
+        return
+    for other, entry in pins["hosts"].items():
+        expected = entry[kind]
+        for name in sorted(got):
+            for field in HOST_INDEPENDENT:
+                assert got[name][field] == expected[name][field], \
+                    f"{kind} {name}: {field} differs from the pins of host {other}"
+    warnings.warn(f"no pins for this host's numerics (fingerprint {host}): only {', '.join(HOST_INDEPENDENT)} "
+                  f"were compared; pin it from a known-good commit with PFLALIGN_PIN_WRITE=1")
 
 
 def test_every_method_in_process_is_pinned(tmp_path):

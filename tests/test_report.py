@@ -241,6 +241,20 @@ def test_report_skips_missing_round_eval_with_a_note(sweep_dir, tmp_path):
     assert "client arithmetic" in report  # no structure_to_text here: the first client
 
 
+def test_step_figure_from_the_runs_that_measured_pflaligns_step(sweep_dir, tmp_path):
+    """pFLAlign's runs log P, the step ratio, γ and ‖Δ_k‖ per client and round: the report
+    draws them; a report of runs without them says why there is no such figure."""
+    pflalign_lines = [m for m in ckpt.metrics_rows(sweep_dir / "synthetic" / "pflalign" / "seed0" / ckpt.METRICS)
+                      if m["event"] == "client_round"]
+    assert pflalign_lines and all(0 < m["step_ratio"] < 1 and 0 <= m["gamma_mean"] <= 1 for m in pflalign_lines)
+    assert main(["report", str(sweep_dir), "--out", str(tmp_path / "all")]) == 0
+    assert _png_size(tmp_path / "all" / "synthetic" / "step.png")[0] > 300
+    assert "synthetic/step.png" in (tmp_path / "all" / "report.md").read_text()
+    assert main(["report", str(sweep_dir / "synthetic" / "fedavg"), "--out", str(tmp_path / "fedavg")]) == 0
+    assert not (tmp_path / "fedavg" / "synthetic" / "step.png").exists()
+    assert "no run logged pFLAlign's step measurements" in (tmp_path / "fedavg" / "report.md").read_text()
+
+
 def test_malformed_metrics_skip_a_figure_with_a_note(sweep_dir, tmp_path):
     import shutil
 

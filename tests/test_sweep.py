@@ -99,6 +99,23 @@ def test_grid_makes_one_run_per_combination(sweep_file, tmp_path):
         plan_sweep(str(sweep_file), tmp_path / "out")
 
 
+def test_grid_takes_run_config_keys_such_as_the_learning_rate(sweep_file, tmp_path):
+    """A grid key that is not one of the method's arguments is a run-config key: a learning-rate
+    grid, each point its own folder and row; the method's arguments still go to method_args."""
+    sweep_file.write_text(sweep_file.read_text()
+                          + "\n[grid.fedavg]\nlr = [0.01, 0.16]\n[grid.pflalign]\nbeta = [0.5]\n'eval.every' = [1]\n")
+    runs = plan_sweep(str(sweep_file), tmp_path / "out", seeds=[0])
+    assert [r.key for r in runs] == ["synth/fedavg@lr=0.01/seed0", "synth/fedavg@lr=0.16/seed0",
+                                     "synth/pflalign@beta=0.5,eval.every=1/seed0"]
+    assert [r.cfg.lr for r in runs] == [0.01, 0.16, 4e-2] and runs[0].cfg.method_args == {}
+    assert runs[2].cfg.eval.every == 1 and runs[2].cfg.method_args == {"beta": 0.5}
+    for bad, why in (("lr_max = [1.0]", "grid.fedavg.lr_max is neither an argument of fedavg"),
+                     ("seed = [1]", "grid.fedavg.seed is neither"), ("'data.dir' = ['x']", "grid.fedavg.data.dir")):
+        sweep_file.write_text(SWEEP + f"\n[grid.fedavg]\n{bad}\n")
+        with pytest.raises(UserError, match=why):
+            plan_sweep(str(sweep_file), tmp_path / "out")
+
+
 def test_finished_runs_kept_elsewhere_count_as_finished(sweep_file, tmp_path, capsys):
     """--done: the small files of a finished run, copied elsewhere (as committed results are),
     make the sweep skip that run; a copy made with other settings is refused."""

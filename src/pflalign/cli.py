@@ -1,4 +1,4 @@
-"""`pflalign` command line: run, sweep, report, methods, fetch-model; export, generate (commands.py).
+"""`pflalign` command line: run, sweep, rescore, report, methods, fetch-model; export, generate (commands.py).
 
 Bad input (a `UserError`) ends with one line on stderr and exit status 2.
 """
@@ -98,6 +98,21 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_rescore(args) -> int:
+    from .config import parse_set
+    from .engine import rescore
+
+    if args.workers < 1:
+        raise UserError(f"--workers must be >= 1, got {args.workers}")
+    if args.no_progress:
+        quiet_library_bars()
+    results = rescore(Path(args.run_dir), Path(args.out), parse_set(args.set or []), overwrite=args.overwrite,
+                      progress=not args.no_progress, workers=args.workers)
+    _print_table(results)
+    print(f"\nresults: {Path(args.out) / 'results.json'}")
+    return 0
+
+
 def cmd_report(args) -> int:
     from .report import write_report
 
@@ -167,6 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--no-progress", action="store_true", help="no progress bars")
     sweep.add_argument("--workers", type=int, default=1, metavar="N", help=WORKERS_HELP)
     sweep.set_defaults(func=cmd_sweep)
+
+    rescore = sub.add_parser("rescore", help="score a finished run's models again under other evaluation settings")
+    rescore.add_argument("run_dir", help="a finished run folder that still holds its checkpoint")
+    rescore.add_argument("--out", required=True, help="the new run folder (config, metrics, scores, adapters)")
+    rescore.add_argument("--set", action="append", metavar="KEY=VALUE", required=True,
+                         help="an evaluation setting: eval.* or the method's evaluation argument, e.g. "
+                              "method_args.personalized=after_aggregation (pFLAlign, FedSA-LoRA)")
+    rescore.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    rescore.add_argument("--no-progress", action="store_true", help="no progress bars")
+    rescore.add_argument("--workers", type=int, default=1, metavar="N", help=WORKERS_HELP)
+    rescore.set_defaults(func=cmd_rescore)
 
     report = sub.add_parser("report", help="tables and figures from finished runs")
     report.add_argument("dir", help="folder holding finished runs (e.g. a sweep's --out)")

@@ -13,7 +13,7 @@ the size of the update.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -96,6 +96,7 @@ class ClientRound:
     gsnr_ratio: float | None
     update_norm: float  # ‖w_{k,T} − w^r‖
     model_norm: float  # ‖w_{k,T}‖
+    method_metrics: dict[str, float] = field(default_factory=dict)  # Method.round_metrics
 
 
 def _non_finite(params: Params) -> str | None:
@@ -159,6 +160,7 @@ def local_round(
             on_step(t, loss)
     local = {n: p.detach() for n, p in lm.lora.items()}
     update_norm, model_norm = distance(local, global_params), distance(local)
+    method_metrics = method.round_metrics(global_params, lm.lora, state)
     message = method.client_end(global_params, lm.lora, state)
     for group, params in message.items():
         if bad := _non_finite(params):
@@ -171,7 +173,7 @@ def local_round(
         # 19.5 MB per client for SmolLM2 (aggregation only reads its messages: tested)
         personalized = sent
     gsnr_mean, gsnr_ratio = stats.summary()
-    return ClientRound(message, personalized, losses, gsnr_mean, gsnr_ratio, update_norm, model_norm)
+    return ClientRound(message, personalized, losses, gsnr_mean, gsnr_ratio, update_norm, model_norm, method_metrics)
 
 
 # ---- a client, its round and its scores ------------------------------------------

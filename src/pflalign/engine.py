@@ -339,6 +339,88 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         rec.close()
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}, "c": {}} → {"a.b": 1} (an empty table has no keys to differ in)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def rescored_config(source: Path, overrides: dict) -> RunConfig:
+    """A finished run's config with `overrides` that change only what is evaluated: ``eval.*`` keys
+    and the method's evaluation arguments (`Method.evaluation_args`, e.g. which model is the
+    personalized one); anything that would have changed the training is refused."""
+    from .config import build_config
+    from .lifecycle import saved_config
+    from .methods import method_class
+
+    saved = to_dict(saved_config(source))
+    cfg = build_config(None, _merge_dicts(saved, overrides))
+    allowed = {f"method_args.{a}" for a in method_class(cfg.method).evaluation_args}
+    before, after = _flat(saved), _flat(to_dict(cfg))
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    training = [k for k in changed if not (k.startswith("eval.") or k in allowed)]
+    if training:
+        extra = f"; {cfg.method}'s evaluation arguments: {', '.join(sorted(allowed))}" if allowed else ""
+        raise UserError(f"rescore changes only what is evaluated (eval.* keys{extra}); {training[0]} would "
+                        f"change the training: start a run with it instead")
+    if not changed:
+        raise UserError("rescore needs --set with an evaluation setting that differs from the run's")
+    return cfg
+
+
+def _merge_dicts(into: dict, updates: dict) -> dict:
+    out = dict(into)
+    for key, value in updates.items():
+        out[key] = _merge_dicts(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
+
+
+def rescore(source: Path | str, out: Path | str, overrides: dict, overwrite: bool = False,
+            progress: bool = True, workers: int = 1) -> dict:
+    """Score the models of the finished run `source` again under other evaluation settings
+    (`rescored_config`), into a new run folder `out`: its config, the source's training metrics
+    lines, the new scores (results.json, predictions.jsonl, the final line) and adapters. The
+    source's final checkpoint and client files are read, never written; the models are the same
+    tensors, so scores that the change does not touch (the global model's) come out equal."""
+    source, out = Path(source), Path(out)
+    from . import checkpoint as ckpt
+
+    if not (source / ckpt.RESULTS).exists() or not ckpt.has_run_checkpoint(source):
+        raise UserError(f"{source} is not a finished run with its checkpoint (rescore reads the models "
+                        f"of the last round; committed copies without checkpoint.pt cannot be rescored)")
+    if out.resolve() == source.resolve():
+        raise UserError("rescore writes a new run folder: --out must differ from the run it reads")
+    cfg = rescored_config(source, overrides)
+    payload = ckpt.load_run_checkpoint(source)
+    if payload["rounds_done"] != cfg.rounds:
+        raise UserError(f"{source}'s checkpoint is after round {payload['rounds_done']} of {cfg.rounds}")
+    with run_dir.guard(out, False, overwrite):
+        rec = Recorder(out, False, overwrite)
+        fed = Federation(cfg, progress=progress, out=source, workers=workers)
+        try:
+            fed.restore(payload)
+            rec.open(cfg)
+            for row in ckpt.metrics_rows(source / ckpt.METRICS):
+                if row.get("event") != "eval":  # the training's lines are the source's; the scores are new
+                    rec.metrics.write(**row)
+            tic = time.perf_counter()
+            results, predictions = fed.evaluate()
+            add_exact_match(results, predictions)
+            export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated())
+            return rec.finish(results, 0.0, time.perf_counter() - tic, predictions, rescored_from=str(source.resolve()),
+                              memory_allocator=allocator.active(), workers=fed.workers,
+                              threads_per_worker=fed.runner.threads())
+        finally:
+            fed.close()
+            rec.close()
+
+
 def _interrupted(rec: Recorder, cfg: RunConfig) -> RunInterrupted:
     """Ctrl-C: drop the unfinished round's metrics lines, so the directory is exactly as
     after the last checkpoint, and say how to continue."""

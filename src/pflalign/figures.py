@@ -218,6 +218,25 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
                             "round", f"Gradient signal-to-noise ratio of local minibatch gradients, client {task}",
                             log_y=True)
 
+    def step(path: Path) -> bool:
+        def of_clients(key):  # the mean over the round's clients (pFLAlign's own measurements)
+            def points(r: Run) -> dict:
+                per_round: dict = {}
+                for m in r.events("client_round"):
+                    if m.get(key) is not None and "round" in m:
+                        per_round.setdefault(m["round"] + 1, []).append(m[key])
+                return {x: statistics.fmean(v) for x, v in per_round.items()}
+            return points
+
+        keys = ("step_ratio", "P_p90", "gamma_mean", "delta_norm")
+        curves = _by_method(runs, {key: of_clients(key) for key in keys})
+        curves = {m: c for m, c in curves.items() if any(c[key][0] for key in keys)}  # pFLAlign's family only
+        return bool(curves) and _line_figure(
+            path, curves,
+            [("step_ratio", r"$\|P \odot g\| \,/\, \|g\|$ (1: SGD's step)"), ("P_p90", "90th percentile of P"),
+             ("gamma_mean", r"mean gate $\gamma$"), ("delta_norm", r"$\|\Delta_k\|$ at the round's start")],
+            "round", "What decides pFLAlign's step, mean over clients", log_y=True)
+
     def loss(path: Path) -> bool:
         curves = _by_method(runs, {"loss": of_client("train_step", "loss", by_step)})
         window = max(r.config.get("local_steps", 1) for r in runs)
@@ -263,6 +282,8 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
                             y_from_zero=True)
 
     add("gsnr.png", f"GSNR over rounds, client {task}", gsnr, "no GSNR values (it needs local_steps ≥ 2)")
+    add("step.png", "pFLAlign's step: preconditioner, gate and personal offset over rounds", step,
+        "no run logged pFLAlign's step measurements (runs of pFLAlign or its variants since issue 38)")
     add("loss.png", f"Training loss over local steps, client {task}", loss, "no train_step lines")
     add("consistency.png", "Aggregation consistency over rounds", consistency,
         "no consistency values in the round lines")

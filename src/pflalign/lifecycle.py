@@ -213,7 +213,8 @@ class Recorder:
         """`seconds`: the client's round from its state file in to its next file out (in-process engine)."""
         extra = {} if seconds is None else {"seconds": seconds}
         self.metrics.write(event="client_round", round=r, client=k, gsnr_mean=res.gsnr_mean,
-                           gsnr_ratio=res.gsnr_ratio, update_norm=res.update_norm, model_norm=res.model_norm, **extra)
+                           gsnr_ratio=res.gsnr_ratio, update_norm=res.update_norm, model_norm=res.model_norm,
+                           **res.method_metrics, **extra)
 
     def round_line(self, r: int, seconds: float, rec: RoundRecord) -> float:
         """The round's line; returns its mean training loss."""

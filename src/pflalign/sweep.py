@@ -13,7 +13,8 @@ A sweep config is a TOML or JSON file (or a preset name, `table1-flan`,
     mu = 0.01
 
     [grid.fedprox]                       # optional: one run per value (per combination)
-    mu = [0.001, 0.01, 0.1]
+    mu = [0.001, 0.01, 0.1]              # a method argument, or a run-config key (lr, local_steps,
+    lr = [0.01, 0.04]                    # eval.every, ...): the method's arguments come first
 
     [[datasets]]                         # one or more
     name = "flan"                        # folder under --out; the report's dataset label
@@ -40,6 +41,7 @@ checkpoint kept) and the sweep goes on; it ends with one line naming such runs, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -229,9 +231,10 @@ def plan_sweep(source: str, out: Path | str, overrides: dict | None = None,
         chosen_dir = data_dir if data_dir is not None else entry.get("data_dir")
         if chosen_dir is not None:
             common = _merge(common, {"data": {"dir": _absolute_if_exists(str(chosen_dir))}})
-        for method, (variant, args) in ((m, p) for m in methods for p in points[m]):
+        for method, (variant, args, run_keys) in ((m, p) for m in methods for p in points[m]):
             for seed in seeds:
                 layers = _merge(common, {"method_args": _table(per_method, method, "sweep config method_args")})
+                layers = _merge(layers, _nested(run_keys))
                 layers = _merge(layers, {"method": method, "seed": seed, "method_args": args})
                 cfg = build_config(None, layers)
                 if cfg.data.name != "synthetic" and not cfg.data.dir:
@@ -246,19 +249,50 @@ def plan_sweep(source: str, out: Path | str, overrides: dict | None = None,
     return runs
 
 
-def _grid_points(grid: dict, method: str) -> list[tuple[str, dict]]:
-    """(folder name, method_args) of every combination of a method's grid values; the method
-    alone when it has no grid."""
+def _grid_points(grid: dict, method: str) -> list[tuple[str, dict, dict]]:
+    """(folder name, method_args, run-config keys) of every combination of a method's grid
+    values; the method alone when it has no grid. A grid key is one of the method's arguments,
+    else a run-config key (dotted for nested ones: ``lr``, ``eval.every``), so a learning-rate
+    grid is ``[grid.fedavg] lr = [...]``; method, seed and data.dir belong to the grid itself."""
     table = _table(grid, method, "sweep config grid")
     if not table:
-        return [(method, {})]
-    for arg, values in table.items():
+        return [(method, {}, {})]
+    arg_names = set(method_class(method).arg_names())
+    for key, values in table.items():
         if not isinstance(values, list) or not values:
-            raise UserError(f"sweep config: grid.{method}.{arg} must be a non-empty list of values")
+            raise UserError(f"sweep config: grid.{method}.{key} must be a non-empty list of values")
+        if key not in arg_names and (key in ("method", "seed", "method_args", "data.dir")
+                                     or not _is_run_key(key)):
+            raise UserError(f"sweep config: grid.{method}.{key} is neither an argument of {method} "
+                            f"({', '.join(sorted(arg_names)) or 'none'}) nor a run-config key")
     points = [{}]
-    for arg, values in table.items():
-        points = [{**p, arg: v} for p in points for v in values]
-    return [(method + "@" + ",".join(f"{k}={v}" for k, v in p.items()), p) for p in points]
+    for key, values in table.items():
+        points = [{**p, key: v} for p in points for v in values]
+    return [(method + "@" + ",".join(f"{k}={v}" for k, v in p.items()),
+             {k: v for k, v in p.items() if k in arg_names},
+             {k: v for k, v in p.items() if k not in arg_names}) for p in points]
+
+
+def _is_run_key(dotted: str) -> bool:
+    """Whether `dotted` names a field of RunConfig (``lr``, ``eval.every``)."""
+    obj = RunConfig()
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(obj) or part not in {f.name for f in dataclasses.fields(obj)}:
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def _nested(dotted: dict) -> dict:
+    """{"eval.every": 5, "lr": 0.1} → {"eval": {"every": 5}, "lr": 0.1}."""
+    out: dict = {}
+    for key, value in dotted.items():
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
 
 
 def _absolute_if_exists(path: str) -> str:

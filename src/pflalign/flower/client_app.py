@@ -281,6 +281,8 @@ def train(msg: Message, context: Context) -> Message:
     for key, value in (("gsnr_mean", result.gsnr_mean), ("gsnr_ratio", result.gsnr_ratio)):
         if value is not None:  # None (fewer than 2 steps) is left out
             metrics[key] = float(value)
+    for key, value in result.method_metrics.items():  # Method.round_metrics, for the metrics line
+        metrics[wire.METHOD_METRIC + key] = float(value)
     if secagg:
         return Message(privacy.fitres_reply(result.message, client.n_train,
                                             {k: v for k, v in metrics.items() if k != "n_train"}), reply_to=msg)

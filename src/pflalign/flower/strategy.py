@@ -274,7 +274,8 @@ class MethodStrategy(Strategy):
                 continue
             results.append((k, ClientRound(
                 message={}, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr_mean"),
-                gsnr_ratio=m.get("gsnr_ratio"), update_norm=m["update_norm"], model_norm=m["model_norm"])))
+                gsnr_ratio=m.get("gsnr_ratio"), update_norm=m["update_norm"], model_norm=m["model_norm"],
+                method_metrics=wire.method_metrics(m))))
             self.n_train[k] = m["n_train"]
         if len(results) < max(1, min(self.min_clients, sampled)):  # rejected ones do not count
             raise RoundFailed(f"round {server_round}: " + ("no valid update to aggregate" if not results else
@@ -348,7 +349,8 @@ class MethodStrategy(Strategy):
             self.n_train[k] = n
             results.append((k, ClientRound(
                 message={}, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr_mean"),
-                gsnr_ratio=m.get("gsnr_ratio"), update_norm=m["update_norm"], model_norm=m["model_norm"])))
+                gsnr_ratio=m.get("gsnr_ratio"), update_norm=m["update_norm"], model_norm=m["model_norm"],
+                method_metrics=wire.method_metrics(m))))
         ids = [k for k, _ in results]
         weights = data_weights([self.n_train[k] for k in ids])
         try:

@@ -27,7 +27,7 @@ import math
 import torch
 
 from ..methods.base import Message, Method, Params
-from .wire import wire_dtype  # the dtype a tensor arrives in (bfloat16 travels as float32)
+from .wire import METHOD_METRIC, wire_dtype  # the dtype a tensor arrives in (bfloat16 travels as float32)
 
 # group → tensor name → (shape, dtype on the wire)
 Expected = dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
@@ -184,4 +184,7 @@ def validate_train_metrics(metrics, local_steps: int, n_train_declared: int | No
     for key in ("gsnr_mean", "gsnr_ratio"):
         if key in metrics and (not _finite_number(metrics[key]) or metrics[key] < 0):
             return f"metric {key!r} must be a finite number >= 0, got {metrics[key]!r}"
+    for key, value in metrics.items():  # the method's own measurements (Method.round_metrics)
+        if key.startswith(METHOD_METRIC) and not _finite_number(value):
+            return f"metric {key!r} must be a finite number, got {value!r}"
     return None

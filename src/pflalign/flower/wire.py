@@ -58,6 +58,7 @@ from ..methods.base import Params
 GLOBAL = "global"
 BROADCAST = "broadcast/"
 MESSAGE = "message/"
+METHOD_METRIC = "method/"  # a train reply's metrics key for each of Method.round_metrics' numbers
 
 # The keys of [tool.flwr.app.config] and their defaults (pyproject.toml holds the same).
 RUN_DEFAULTS = {
@@ -174,6 +175,11 @@ def payload_bytes(content: RecordDict) -> int:
 
 
 # ---- configuration --------------------------------------------------------------
+def method_metrics(metrics) -> dict[str, float]:
+    """The numbers of `Method.round_metrics` in a (validated) train reply's metrics, by name."""
+    return {k[len(METHOD_METRIC):]: float(v) for k, v in metrics.items() if k.startswith(METHOD_METRIC)}
+
+
 def parse_overrides(text: str) -> dict:
     """The `set` run-config string: --set items separated by spaces (shell quoting
     for values with spaces), or one JSON object with the config's nesting."""

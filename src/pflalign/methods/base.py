@@ -155,6 +155,9 @@ class Method:
     # the groups of `client_end`'s message that hold adapter weights (the Flower server measures
     # an update's size against w^r there; other groups, like SCAFFOLD's delta_c, as they are)
     weight_groups: ClassVar[tuple[str, ...]] = ("params",)
+    # arguments that choose only which model is evaluated, not how it trains (`pflalign rescore`
+    # may change them on a finished run)
+    evaluation_args: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, args=None):
         self.args = args if args is not None else self.Args()
@@ -198,6 +201,13 @@ class Method:
         for n, w in params.items():
             w.add_(grads[n], alpha=-ctx.lr)
         return loss
+
+    def round_metrics(self, global_params: Params, params: Params, state: State) -> dict[str, float]:
+        """What only the method can measure of the client's round just taken (pFLAlign: its
+        preconditioner and gate), as numbers for the round's `client_round` metrics line; called
+        after the T local steps, before `client_end` (so a round's scratch state is still there).
+        Default: nothing."""
+        return {}
 
     def client_end(self, global_params: Params, params: Params, state: State) -> Message:
         """What the client sends to the server after its T local steps."""

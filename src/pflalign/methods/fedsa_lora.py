@@ -70,6 +70,7 @@ class FedSALoRA(Method):
     label = "FedSA-LoRA"
     family = "LoRA-modulation"
     Args = FedSALoRAArgs
+    evaluation_args = ("personalized",)
     weight_groups = ("shared", "eval_B")
 
     def init_client_state(self, global_params: Params) -> State:

@@ -14,8 +14,22 @@ For t = 0 … T−1, with ε = 1e-12 and β (default 0.9; the paper does not sta
     w_{k,t+1} = w_{k,t} − η P g − (1/T) γ Δ_k
 
 End of round: Δ_k = w_{k,T} − w^r; the client sends w_{k,T}; the server
-averages the clients' models weighted by |D_k| (as FedAvg). The
-personalized model of client k is its w_{k,T} of the last round.
+averages the clients' models weighted by |D_k| (as FedAvg).
+
+The personalized model of client k (argument `personalized`; the paper's
+experiments do not say which model they score):
+
+    "w_kT" (default): its w_{k,T} of the last round, before the server's last
+        aggregation (this project's choice since the first Table 1 runs).
+    "after_aggregation": w^R + Δ_k, the model it would start a next round from
+        (the paper's "W + ΔW_k" once the server has aggregated).
+
+Measured every round for the metrics line (`round_metrics`; they change no
+update): the distribution of P at the round's end (`P_mean`, `P_median`,
+`P_p90`, `P_max`), the mean over steps of ‖P⊙g‖/‖g‖ (`step_ratio`: the
+step's length against plain SGD's at the same η), the step lengths
+η‖P⊙g‖ (`step_norm`) and ‖γ⊙Δ_k‖/T (`correction_norm`), the mean gate
+(`gamma_mean`) and ‖Δ_k‖ as the round started (`delta_norm`).
 
 The paper defines no ablations. The five variants below are ours: the same
 rule with one component switched off (`precondition`, `gamma`,
@@ -25,6 +39,7 @@ component, to measure what the component is worth.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +47,7 @@ import torch
 from .base import GradFn, Method, Message, Params, State, StepContext, clone, zeros_like
 
 GAMMA_RULES = ("erf", "zero", "const", "hard")
+PERSONALIZED_RULES = ("w_kT", "after_aggregation")
 
 
 @dataclass
@@ -41,6 +57,7 @@ class PFLAlignArgs:
     precondition: bool = True  # False: P ≡ 1 (plain SGD step on g)
     gamma: str = "erf"  # erf (paper) | zero (no correction) | const (0.5) | hard (0.5 + 0.5 sign(m·Δ))
     personal_init: bool = True  # False: w_{k,0} = w^r and no correction term
+    personalized: str = "w_kT"  # the model scored as personalized: w_kT | after_aggregation (w^R + Δ_k)
 
     def __post_init__(self):
         if not 0.0 <= self.beta < 1.0:
@@ -49,6 +66,9 @@ class PFLAlignArgs:
             raise ValueError(f"eps must be > 0, got {self.eps}")
         if self.gamma not in GAMMA_RULES:
             raise ValueError(f"gamma must be one of {', '.join(GAMMA_RULES)}, got {self.gamma!r}")
+        if self.personalized not in PERSONALIZED_RULES:
+            raise ValueError(f"personalized must be one of {', '.join(PERSONALIZED_RULES)}, "
+                             f"got {self.personalized!r}")
 
 
 def gamma_erf(m: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,12 +89,20 @@ class PFLAlign(Method):
     label = "pFLAlign"
     family = "pFLAlign"
     Args = PFLAlignArgs
+    evaluation_args = ("personalized",)
 
     def init_client_state(self, global_params: Params) -> State:
         return {"delta": zeros_like(global_params), "v": zeros_like(global_params), "P": zeros_like(global_params)}
 
     def client_start(self, global_params: Params, state: State, received: Message) -> Params:
         state["m"] = zeros_like(global_params)  # m is reset every round, v and P are not
+        # scratch for `round_metrics`, summed over the round's steps without a host sync
+        first = next(iter(global_params.values()))
+        state["round_stats"] = {key: torch.zeros((), dtype=torch.float64, device=first.device) for key in
+                                ("steps", "step_ratio", "step_norm", "correction_norm", "gamma_sum", "gamma_count")}
+        # in the adapter's order: a state read back from a file may hold its tensors in another, and
+        # the order of a sum decides its last bits
+        state["round_stats"]["delta_norm"] = _norm(state["delta"][n] for n in global_params)
         if not self.args.personal_init:
             return clone(global_params)
         return {n: w + state["delta"][n] for n, w in global_params.items()}
@@ -96,6 +124,8 @@ class PFLAlign(Method):
         # Tensor by tensor, in place, with 1/(v+ε) shared by α and P: each small LoRA
         # tensor stays in cache through its update (flat multi-tensor ops would stream
         # all of them through memory once per operation).
+        stats = state.get("round_stats")
+        sums = torch.zeros(3, dtype=torch.float64, device=first.device)  # ‖g‖², ‖P⊙g‖², ‖γ⊙Δ‖² of this step
         for n, w in params.items():
             g = grads[n]
             m, v, P, delta = state["m"][n], state["v"][n], state["P"][n], state["delta"][n]
@@ -109,14 +139,62 @@ class PFLAlign(Method):
             else:
                 w.sub_(g, alpha=ctx.lr)
             if self.args.personal_init:
-                w.addcmul_(self._gamma(m, v, delta), delta, value=-1.0 / T)
+                gamma = self._gamma(m, v, delta)
+                w.addcmul_(gamma, delta, value=-1.0 / T)
+            if stats is not None:  # measurements only: the update above is done
+                step = P * g if self.args.precondition else g
+                correction = gamma * delta if self.args.personal_init else None
+                sums += torch.stack([_square_sum(g), _square_sum(step),
+                                     _square_sum(correction) if correction is not None else sums[2] * 0])
+                if self.args.personal_init:
+                    stats["gamma_sum"] += gamma.sum(dtype=torch.float64)
+                    stats["gamma_count"] += gamma.numel()
+        if stats is not None:
+            norms = sums.sqrt()
+            stats["steps"] += 1
+            stats["step_ratio"] += norms[1] / norms[0].clamp_min(1e-300)
+            stats["step_norm"] += ctx.lr * norms[1]
+            stats["correction_norm"] += norms[2] / T
         return loss
+
+    def round_metrics(self, global_params: Params, params: Params, state: State) -> dict[str, float]:
+        stats = state.get("round_stats")
+        if stats is None or not stats["steps"]:
+            return {}
+        steps = stats["steps"]
+        out = {"step_ratio": stats["step_ratio"] / steps, "step_norm": stats["step_norm"] / steps,
+               "delta_norm": stats["delta_norm"]}
+        if self.args.personal_init:
+            out["correction_norm"] = stats["correction_norm"] / steps
+            out["gamma_mean"] = stats["gamma_sum"] / stats["gamma_count"]
+        if self.args.precondition:
+            P = torch.cat([state["P"][n].detach().reshape(-1) for n in params])  # the adapter's order (above)
+            k90 = max(1, math.ceil(0.9 * P.numel()))
+            out.update(P_mean=P.mean(dtype=torch.float64), P_median=P.median(),
+                       P_p90=P.kthvalue(k90).values, P_max=P.max())
+        return {key: float(value) for key, value in out.items()}
 
     def client_end(self, global_params: Params, params: Params, state: State) -> Message:
         del state["m"]
+        state.pop("round_stats", None)
         for n, w in params.items():  # in place: Δ_k stays one flat buffer (params.empty_like)
             torch.sub(w.detach(), global_params[n], out=state["delta"][n])
         return {"params": clone(params)}
+
+    def personalized_after_aggregation(self, global_params: Params, personalized: Params, state: State) -> Params:
+        if self.args.personalized == "after_aggregation":  # w^R + Δ_k
+            return {n: w + state["delta"][n] for n, w in global_params.items()}
+        return personalized
+
+
+def _square_sum(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
+
+
+def _norm(tensors) -> torch.Tensor:
+    """‖·‖ over tensors together (float64, a 0-dim tensor: no host sync)."""
+    tensors = list(tensors)
+    return torch.stack([_square_sum(t) for t in tensors]).sum().sqrt()
 
 
 # ---- our variants (not the paper's): one component switched off each ------

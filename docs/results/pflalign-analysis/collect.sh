@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Copy every finished run's small files (no checkpoint, no adapters) from the grid's run folders
+# into the repo, then regenerate both reports. Safe to run at any time: a run is copied once.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../../.." && pwd)
+cd "$repo"
+RUNS=${RUNS:-$HOME/analysis-runs}
+PFL=${PFL:-$repo/.venv/bin/pflalign}
+copy() {  # copy SRC_ROOT DST_ROOT
+  for r in "$1"/flan/*/seed*/results.json; do
+    [ -f "$r" ] || continue
+    d=$(dirname "$r"); t="$2/flan/$(basename "$(dirname "$d")")/$(basename "$d")"
+    [ -e "$t/results.json" ] && continue
+    mkdir -p "$t" && cp "$d"/{config.json,results.json,metrics.jsonl,predictions.jsonl} "$t"/ && echo "copied $t"
+  done
+}
+copy "$RUNS-val" "$here/validation/runs"
+copy "$RUNS" "$here/runs"
+"$PFL" report "$here/validation/runs" --out "$here/validation" >/dev/null && echo "report: $here/validation"
+if ls "$here"/runs/flan/*/seed*/results.json >/dev/null 2>&1; then
+  "$PFL" report "$here/runs" --out "$here" --paired pflalign --paired fedavg >/dev/null && echo "report: $here"
+fi

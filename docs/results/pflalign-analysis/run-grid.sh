@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 38's grid, in the order the issue asks for, each phase a `pflalign sweep` that skips
+# finished runs (here or committed: --done) and resumes an unfinished one. Run folders go to
+# $RUNS (outside the work tree); each pFLAlign run (and variant) is then scored a second time
+# with w^R + Delta_k by `pflalign rescore` into a sibling folder "<name>,personalized=after_aggregation"
+# (or "<name>@personalized=after_aggregation"). Start it in the background at the lowest priority:
+#
+#   setsid nice -n 19 bash docs/results/pflalign-analysis/run-grid.sh > ~/analysis.log 2>&1 &
+#   sleep 5; echo 19 > /proc/$(pgrep -f 'run-grid.sh' | head -1)/autogroup
+#
+# and copy finished runs into the repo with collect.sh. PHASES="val matched ..." picks phases.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../../.." && pwd)
+cd "$repo"
+RUNS=${RUNS:-$HOME/analysis-runs}
+DATA=${DATA:-$(cd "$repo/../shared/data/flan" 2>/dev/null && pwd)}
+PFL=${PFL:-$repo/.venv/bin/pflalign}
+WORKERS=${WORKERS:-2}
+PHASES=${PHASES:-"val matched components validated curves"}
+
+sweep() {  # sweep FILE OUT DONE
+  [ -f "$1" ] || { echo "skip $1 (not written yet)"; return 0; }
+  "$PFL" sweep --config "$1" --data-dir "$DATA" --out "$2" --done "$3" --no-progress --workers "$WORKERS"
+}
+
+rescore_all() {  # every finished pFLAlign run (and variant) under $1, scored with w^R + Delta_k too
+  for r in "$1"/flan/pflalign*/seed*; do
+    [ -f "$r/results.json" ] || continue
+    name=$(basename "$(dirname "$r")"); seed=$(basename "$r")
+    case "$name" in *personalized=*) continue ;; esac
+    case "$name" in *@*) alt="$name,personalized=after_aggregation" ;; *) alt="$name@personalized=after_aggregation" ;; esac
+    out="$1/flan/$alt/$seed"; done_copy="$2/flan/$alt/$seed"
+    [ -f "$out/results.json" ] || [ -f "$done_copy/results.json" ] && continue
+    "$PFL" rescore "$r" --out "$out" --set method_args.personalized=after_aggregation \
+      --no-progress --workers "$WORKERS" --overwrite
+  done
+}
+
+for phase in $PHASES; do
+  echo "== phase $phase ($(date -u +%H:%M))"
+  case $phase in
+    val) sweep "$here/validation.toml" "$RUNS-val" "$here/validation/runs"
+         rescore_all "$RUNS-val" "$here/validation/runs" ;;
+    matched|components|validated|curves)
+         sweep "$here/$phase.toml" "$RUNS" "$here/runs"
+         rescore_all "$RUNS" "$here/runs" ;;
+  esac
+done
+echo "== grid done ($(date -u +%H:%M))"
