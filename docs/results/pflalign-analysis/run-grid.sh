@@ -9,10 +9,15 @@
 #   sleep 5; echo 19 > /proc/$(pgrep -f 'run-grid.sh' | head -1)/autogroup
 #
 # and copy finished runs into the repo with collect.sh. PHASES="val matched ..." picks phases.
+# PFL=path/to/pflalign runs another checkout's code (e.g. a worktree frozen at one commit, so
+# merges into this one do not reach a running grid); CONF=folder reads the sweep files and the
+# committed runs (--done) from another checkout (default: this folder), so a phase file written
+# after the start is found.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
 cd "$repo"
+here=${CONF:-$here}
 RUNS=${RUNS:-$HOME/analysis-runs}
 DATA=${DATA:-$(cd "$repo/../shared/data/flan" 2>/dev/null && pwd)}
 PFL=${PFL:-$repo/.venv/bin/pflalign}
