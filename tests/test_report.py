@@ -138,6 +138,24 @@ def test_paired_differences_by_hand(sweep_dir, tmp_path):
     assert "### Training dynamics" in report and "| pFLAlign | " in report
 
 
+def test_no_significance_mark_from_two_seeds_or_equal_differences():
+    """* only where the interval counts (report.judgeable): 3 seeds or more whose differences are not
+    all equal. -16.67 twice was marked "-16.67 ± 0.00*"."""
+    from pflalign.report import Paired, paired_markdown
+
+    rows = {"fedavg": [-16.67, -16.67],  # 2 seeds, no spread
+            "fedprox": [10.0, 10.1],  # 2 seeds: 10.05 ± 12.71 · 0.0707 / √2 = ± 0.64 excludes 0, 1 df
+            "fedsam": [-16.67, -16.67, -16.67],  # 3 seeds, no spread
+            "feddyn": [10.0, 10.1, 10.2],  # 3 seeds with spread, clear of 0: marked
+            "fedyogi": [-1.0, 1.0, 3.0]}  # 1 ± 4.97: not clear of 0
+    table = paired_markdown(["a"], [Paired(m, list(range(len(v))), {"a": v, None: v}) for m, v in rows.items()])
+    cells = {line.split(" | ")[0][2:]: line.split(" | ")[2] for line in table.splitlines()[2:]}
+    assert cells == {"FedAvg": "-16.67 ± 0.00", "FedProx": f"+10.05 ± {ci95_half_width([10.0, 10.1]):.2f}",
+                     "FedSAM": "-16.67 ± 0.00", "FedDyn": f"+10.10 ± {ci95_half_width([10.0, 10.1, 10.2]):.2f}*",
+                     "FedYogi": f"+1.00 ± {ci95_half_width([-1.0, 1.0, 3.0]):.2f}"}
+    assert ci95_half_width([10.0, 10.1]) < 10.05  # the 2-seed interval does exclude 0: no mark all the same
+
+
 def test_paired_against_another_method_by_hand(sweep_dir, tmp_path, capsys):
     """`--paired fedavg`: FedAvg minus each other method, in the order asked, before pFLAlign's table."""
     assert main(["report", str(sweep_dir), "--out", str(tmp_path), "--paired", "fedavg", "--paired", "pflalign"]) == 0

@@ -75,6 +75,23 @@ def ci95_half_width(values: list[float]) -> float | None:
     return t_quantile(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n)
 
 
+MIN_SEEDS_TO_JUDGE = 3  # fewest values whose 95% interval counts as evidence (a * mark, a claim's interval)
+
+
+def judgeable(values: list[float]) -> bool:
+    """Whether the 95% interval over `values` may be read as evidence: MIN_SEEDS_TO_JUDGE values or
+    more, not all equal. From 2 values s rests on one difference, so the interval's coverage hangs
+    on that one draw; values that are all equal give s = 0, an interval of width 0 that "excludes"
+    every other value, and they happen (scores on a label task move in steps: 2 seeds whose
+    differences are both −16.67 read "−16.67 ± 0.00*"). The interval is still shown."""
+    return len(values) >= MIN_SEEDS_TO_JUDGE and max(values) - min(values) > 1e-9
+
+
+def excludes_zero(values: list[float]) -> bool:
+    """The 95% interval of the mean of `values` lies clear of 0, judged only where `judgeable`."""
+    return judgeable(values) and abs(statistics.fmean(values)) > ci95_half_width(values)
+
+
 # ---- finding runs -----------------------------------------------------------
 @dataclass
 class Run:
@@ -492,6 +509,14 @@ class Paired:
     def ci(self, task: str | None) -> float | None:
         return ci95_half_width(self.diffs.get(task, []))
 
+    def judged(self, task: str | None) -> bool:
+        """Enough seeds, with some spread, for the interval to count (`judgeable`)."""
+        return judgeable(self.diffs.get(task, []))
+
+    def significant(self, task: str | None) -> bool:
+        """The paired 95% interval excludes 0, where it counts (`excludes_zero`)."""
+        return excludes_zero(self.diffs.get(task, []))
+
 
 def paired_differences(tasks: list[str], runs: list[Run], reference: str = REFERENCE,
                        metric: str = "rouge_l") -> list[Paired]:
@@ -516,7 +541,8 @@ def paired_differences(tasks: list[str], runs: list[Run], reference: str = REFER
 
 
 def paired_markdown(tasks: list[str], paired: list[Paired], reference: str = REFERENCE) -> str:
-    """One row per baseline: mean difference ± paired 95% CI half-width; * where the interval excludes 0."""
+    """One row per baseline: mean difference ± paired 95% CI half-width; * where the interval excludes 0
+    and counts (`judgeable`: 3 seeds or more whose differences are not all equal)."""
     lines = ["| " + f"{label(reference)} − | seeds | " + " | ".join(tasks) + " | Avg |",
              "| :-- | --: | " + " | ".join("--:" for _ in tasks) + " | --: |"]
     for p in paired:
@@ -527,7 +553,7 @@ def paired_markdown(tasks: list[str], paired: list[Paired], reference: str = REF
                 cells.append("–")
                 continue
             text = f"{mean:+.2f}" + (f" ± {ci:.2f}" if ci is not None else "")
-            cells.append(text + ("*" if ci is not None and abs(mean) > ci else ""))
+            cells.append(text + ("*" if p.significant(task) else ""))
         lines.append(f"| {label(p.method)} | {len(p.seeds)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -677,7 +703,8 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
                 lines += [f"### {title}", "",
                           f"{label(reference)} minus each other method, seed by seed (the seeds share data splits), "
                           f"in {metric_name} ×100: mean ± paired 95% CI half-width (Student's t over the seeds both "
-                          "ran); * where the interval excludes 0.", "", paired_markdown(tasks, paired, reference)]
+                          f"ran); * where the interval excludes 0, marked only from {MIN_SEEDS_TO_JUDGE} seeds or more "
+                          "whose differences are not all equal.", "", paired_markdown(tasks, paired, reference)]
         lines += ["### Training dynamics", "",
                   "Aggregation consistency Σ_k p_k ‖w_k − w^r‖ (the data-weighted size of the clients' updates: "
                   "lower means they moved less from w^r, not that their directions agree) and the "
