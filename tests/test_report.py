@@ -369,3 +369,50 @@ def test_report_without_runs_is_one_line_exit_2(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no finished runs" in err
+
+
+def test_whiskers_the_axis_cuts_end_in_a_mark(tmp_path):
+    """The bars' y axis runs from 0 to just over 100 (ROUGE-L ≤ 100); a longer whisker is cut there,
+    and a triangle on the axis says so."""
+    from pflalign.figures import _rouge_bars
+    from pflalign.report import Row
+
+    rows = [Row("fedavg", [0, 1], {"a": 50.0, "b": 98.0}, {"a": 10.0, "b": 12.0}, 74.0, 2.0),  # b: 110 > 105
+            Row("fedsam", [0, 1], {"a": 3.0, "b": 60.0}, {"a": 5.0, "b": None}, 31.5, 30.0),  # a: −2 < 0
+            Row("pflalign", [0], {"a": 0.0, "b": 99.0}, {"a": None, "b": None}, 49.5, None)]  # no whiskers
+    cut = _rouge_bars(tmp_path / "bars.png", ["a", "b"], rows)
+    assert sorted(cut) == [("fedavg", "b", "high"), ("fedsam", "a", "low")]
+    assert _png_size(tmp_path / "bars.png")[0] > 300
+    rows[0].cell_ci["b"], rows[1].cell_ci["a"] = 1.0, 3.0  # whiskers inside the axis: nothing marked
+    assert _rouge_bars(tmp_path / "bars2.png", ["a", "b"], rows) == []
+
+
+def test_scatter_points_with_equal_values_stay_visible(tmp_path, monkeypatch):
+    """Points that would land on one spot (equal to 0.01) are spread evenly on a ring around their value."""
+    import matplotlib.axes
+
+    from pflalign.figures import _rouge_scatter, spread_coincident
+
+    r = 0.5
+    moved = spread_coincident([(1.0, 1.0), (2.0, 2.0), (1.001, 1.0), (1.0, 1.0)], r)
+    s, c = math.sin(math.radians(30)), math.cos(math.radians(30))  # the three at 90°, 210°, 330°
+    expected = [(1.0, 1.0 + r), (2.0, 2.0), (1.001 - r * c, 1.0 - r * s), (1.0 + r * c, 1.0 - r * s)]
+    assert moved == [pytest.approx(p) for p in expected]
+
+    drawn = {}
+    scatter = matplotlib.axes.Axes.scatter
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter",
+                        lambda ax, xs, ys, **kw: drawn.setdefault(kw["label"], list(zip(xs, ys)))
+                        or scatter(ax, xs, ys, **kw))
+
+    def run(method, scores):  # one seed, clients (global, personalized)
+        clients = [{"task": t, "rouge_l_global": g, "rouge_l_personalized": p} for t, (g, p) in scores.items()]
+        return Run(tmp_path, "d", method, 0, {"clients": clients}, {}, [])
+
+    # both methods score 34.5 / 34.5 on "yes", and differ on "no"
+    runs = [run("fedavg", {"yes": (34.5, 34.5), "no": (60.0, 65.5)}), run("fedprox", {"yes": (34.5, 34.5), "no": (50.0, 55.0)})]
+    assert _rouge_scatter(tmp_path / "scatter.png", runs)
+    fedavg, fedprox = drawn["FedAvg (2 clients)"], drawn["FedProx (2 clients)"]
+    assert fedavg[1] == (60.0, 65.5) and fedprox[1] == (50.0, 55.0)  # alone: where they are
+    radius = 0.012 * 65.5  # SPREAD_RADIUS × the largest value (2 coinciding points: no widening)
+    assert fedavg[0] == pytest.approx((34.5, 34.5 + radius)) and fedprox[0] == pytest.approx((34.5, 34.5 - radius))
