@@ -221,14 +221,16 @@ def _rouge_scatter(path: Path, runs: list[Run]) -> bool:
 
 
 def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Path,
-                  client: str | None = None) -> tuple[list[tuple[str, str]], list[str]]:
-    """Draw one dataset's figures into `folder`; returns ([(title, file name)], [reasons for skipped ones])."""
+                  client: str | None = None, paper: bool = False) -> tuple[list[tuple[str, str]], list[str]]:
+    """Draw one dataset's figures into `folder`; returns ([(title, file name)], [reasons for skipped ones]).
+    `paper`: the runs are of the paper's federations (`report.paper_federation`), whose figures default
+    to the paper's client."""
     drawn, skipped = [], []
     if client is not None and client not in tasks:
         skipped.append(f"client {client!r} is not in this dataset ({', '.join(tasks)}); "
                        f"the per-client figures use the default instead")
         client = None
-    task = figure_client(tasks, client)
+    task = figure_client(tasks, client, paper)
 
     def of_client(event: str, key: str, x):
         def points(r: Run) -> dict:
