@@ -48,7 +48,8 @@ def test_best_average_holds_clearly_only_when_every_paired_interval_is_above_zer
     assert v.outcome == HOLDS and f"+3.00 ± {T2 * 2 / math.sqrt(3):.2f}" in v.evidence
     # a method above pFLAlign is named, with its paired difference (−1 each seed: s = 0, ± 0.00)
     v = verdict(runs_of({"pflalign": [52, 53, 54], "fedavg": [50, 50, 50], "feddyn": [53, 54, 55]}), "1")
-    assert v.outcome == DOES_NOT_HOLD and "FedDyn 54.00 (pFLAlign − it: -1.00 ± 0.00)" in v.evidence
+    assert v.outcome == DOES_NOT_HOLD and ("FedDyn 54.00 (pFLAlign − it: -1.00 ± 0.00 (the same difference in "
+                                           "every seed, no spread to judge))") in v.evidence
     assert "FedAvg" not in v.evidence  # below pFLAlign: not named
     # one seed: no interval, so never "clearly"
     assert verdict(runs_of({"pflalign": [52], "fedavg": [50]}), "1").outcome == HOLDS
@@ -128,3 +129,16 @@ def test_the_verdicts_are_provisional_until_every_run_of_table_1_is_in():
 @pytest.mark.parametrize("number", ["1", "2", "3 (FedSAM)", "3 (FedYogi)", "4", "5"])
 def test_no_runs_of_the_needed_methods_is_not_judged(number):
     assert verdict(runs_of({"ffa-lora": [50, 51]}), number).outcome == NOT_JUDGED
+
+
+def test_an_interval_from_two_seeds_or_without_spread_does_not_count():
+    """report.judgeable: 3 seeds or more, differences not all equal. FedAvg − FedSAM 6, 7 over 2 seeds:
+    6.5 ± 12.71·0.71/√2 = 6.5 ± 6.35, above 0, yet not judged; 7, 7, 7 over 3 seeds: 7 ± 0.00, not judged."""
+    v = verdict(runs_of({"fedavg": [50, 50], "fedsam": [44, 43]}), "3 (FedSAM)")
+    assert v.outcome == NOT_JUDGED and "+6.50 ± 6.35 (2 seeds, too few to judge)" in v.evidence
+    v = verdict(runs_of({"fedavg": [50, 50, 50], "fedsam": [43, 43, 43], "local": [45, 45, 45]}), "3 (FedSAM)")
+    assert v.outcome == NOT_JUDGED and "+7.00 ± 0.00 (the same difference in every seed" in v.evidence
+    assert verdict(runs_of({"fedavg": [50, 50, 50], "fedsa-lora": [43, 43, 43]}), "2").outcome == NOT_JUDGED
+    # claim 1: pFLAlign − FedAvg 10, 11 → 10.5 ± 6.35, above 0, but from 2 seeds it holds, not clearly
+    assert verdict(runs_of({"pflalign": [60, 61], "fedavg": [50, 50]}), "1").outcome == HOLDS
+    assert verdict(runs_of({"pflalign": [60, 61, 62], "fedavg": [50, 50, 50]}), "1").outcome == HOLDS_CLEARLY

@@ -389,9 +389,23 @@ def test_a_killed_client_node(tmp_path, reference):
     check_closed(cluster)
 
 
+def tensorboard_scalars(folder: Path) -> tuple[dict, dict]:
+    """A run's TensorBoard scalars {tag: [(step, value)]} and its HParams hyperparameters {name: value}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    start = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(start).session_start_info.hparams
+    return scalars, {name: (v.number_value, v.string_value) for name, v in hparams.items()}
+
+
 def test_simulation_engine_matches_in_process(tmp_path, reference):
-    """SCAFFOLD on the Simulation Engine (Ray), with per-round scores (eval.every) too."""
-    over = {"eval": {**TINY["eval"], "every": 1, "every_max_test": 2}}
+    """SCAFFOLD on the Simulation Engine (Ray), with per-round scores (eval.every) and TensorBoard
+    (log.tensorboard: the ServerApp logs what pflalign run logs) too."""
+    over = {"eval": {**TINY["eval"], "every": 1, "every_max_test": 2}, "log": {"tensorboard": True}}
     cluster = make_cluster(tmp_path, simulation=True)
     try:
         cluster.start_link()
@@ -415,6 +429,16 @@ def test_simulation_engine_matches_in_process(tmp_path, reference):
         adapter = wire.to_record(ref["global"]).count_bytes()
         assert [(m["bytes_to_clients"], m["bytes_from_clients"]) for m in mine if m["event"] == "round"] == \
             [(4 * adapter, 4 * adapter)] * 2
+        # the same TensorBoard scalars (per-step and per-round losses, GSNR, consistency, scores) and hyperparameters
+        (scalars, hparams), (ref_scalars, ref_hparams) = (tensorboard_scalars(d / "tensorboard") for d in (out, ref["out"]))
+        assert hparams == ref_hparams and hparams["method"] == (0.0, "scaffold")
+        # exact match: the in-process engine scores it from its predictions; the ServerApp has none (each client keeps its own)
+        ref_scalars = {tag: v for tag, v in ref_scalars.items() if not tag.startswith("final/avg_exact_match")}
+        assert scalars.keys() == ref_scalars.keys() and {"loss/step/arithmetic", "loss/mean", "gsnr/ratio/sorting",
+                                                         "rouge_l/global/sorting", "final/avg_rouge_l_global"} <= scalars.keys()
+        for tag, points in scalars.items():
+            assert [s for s, _ in points] == [s for s, _ in ref_scalars[tag]], tag
+            assert [v for _, v in points] == pytest.approx([v for _, v in ref_scalars[tag]], rel=1e-5, abs=1e-6), tag
     finally:
         cluster.close()
     check_closed(cluster)

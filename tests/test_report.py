@@ -94,8 +94,7 @@ def test_report_writes_table_1_and_figures(sweep_dir, tmp_path, capsys):
     assert lines[0] == "| Method | arithmetic | sorting | Avg |"
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
     assert all(len(c) == 4 for c in cells)
-    assert [c[0] for c in cells] == [
-        "*LoRA-modulation*", "FFA-LoRA", "*Optimizer-based*", "FedAvg", "*pFLAlign*", "pFLAlign"]
+    assert [c[0] for c in cells] == ["FFA-LoRA", "FedAvg", "pFLAlign"]  # not the paper's data: no family headings
     rows = {c[0]: c[1:] for c in cells if not c[0].startswith("*")}
     # arithmetic: pFLAlign 32 > FedAvg 15 > FFA-LoRA 5; sorting: FedAvg 45 = FFA-LoRA 45 > pFLAlign 21
     assert rows["pFLAlign"][0] == "**32.00**" and rows["FedAvg"][0] == "<u>15.00</u>" and rows["FFA-LoRA"][0] == "5.00"
@@ -138,6 +137,24 @@ def test_paired_differences_by_hand(sweep_dir, tmp_path):
     assert "### Training dynamics" in report and "| pFLAlign | " in report
 
 
+def test_no_significance_mark_from_two_seeds_or_equal_differences():
+    """* only where the interval counts (report.judgeable): 3 seeds or more whose differences are not
+    all equal. -16.67 twice was marked "-16.67 ± 0.00*"."""
+    from pflalign.report import Paired, paired_markdown
+
+    rows = {"fedavg": [-16.67, -16.67],  # 2 seeds, no spread
+            "fedprox": [10.0, 10.1],  # 2 seeds: 10.05 ± 12.71 · 0.0707 / √2 = ± 0.64 excludes 0, 1 df
+            "fedsam": [-16.67, -16.67, -16.67],  # 3 seeds, no spread
+            "feddyn": [10.0, 10.1, 10.2],  # 3 seeds with spread, clear of 0: marked
+            "fedyogi": [-1.0, 1.0, 3.0]}  # 1 ± 4.97: not clear of 0
+    table = paired_markdown(["a"], [Paired(m, list(range(len(v))), {"a": v, None: v}) for m, v in rows.items()])
+    cells = {line.split(" | ")[0][2:]: line.split(" | ")[2] for line in table.splitlines()[2:]}
+    assert cells == {"FedAvg": "-16.67 ± 0.00", "FedProx": f"+10.05 ± {ci95_half_width([10.0, 10.1]):.2f}",
+                     "FedSAM": "-16.67 ± 0.00", "FedDyn": f"+10.10 ± {ci95_half_width([10.0, 10.1, 10.2]):.2f}*",
+                     "FedYogi": f"+1.00 ± {ci95_half_width([-1.0, 1.0, 3.0]):.2f}"}
+    assert ci95_half_width([10.0, 10.1]) < 10.05  # the 2-seed interval does exclude 0: no mark all the same
+
+
 def test_paired_against_another_method_by_hand(sweep_dir, tmp_path, capsys):
     """`--paired fedavg`: FedAvg minus each other method, in the order asked, before pFLAlign's table."""
     assert main(["report", str(sweep_dir), "--out", str(tmp_path), "--paired", "fedavg", "--paired", "pflalign"]) == 0
@@ -159,13 +176,66 @@ def test_paired_against_another_method_by_hand(sweep_dir, tmp_path, capsys):
     assert "\n" not in err and "--paired fedsam: no finished run of it" in err and "fedavg" in err
 
 
-def test_claims_section_only_when_asked(sweep_dir, tmp_path):
-    """`--claims` adds the paper's claims, judged on these runs (pflalign.claims; the rules are
-    tested in test_claims.py): pFLAlign's Avg (25 + 28) / 2 = 26.5 is below FedAvg's (25 + 35) / 2 = 30."""
-    assert main(["report", str(sweep_dir), "--out", str(tmp_path / "plain")]) == 0
-    assert "The paper's claims" not in (tmp_path / "plain" / "report.md").read_text()
-    assert main(["report", str(sweep_dir), "--out", str(tmp_path / "claims"), "--claims"]) == 0
-    report = (tmp_path / "claims" / "report.md").read_text()
+FLAN_TASKS = ["structure_to_text", "coreference", "entailment", "paraphrase"]  # id 0 first: it has metrics
+
+
+def _as_data(sweep_dir, root, name, tasks, **data):
+    """A copy of the tiny runs whose config says data.name=`name` (and `data`'s keys) and whose
+    results name their clients `tasks` (id k: tasks[k], the scores kept, repeated past the 2 trained)."""
+    import shutil
+
+    shutil.copytree(sweep_dir / "synthetic", root / "synthetic", ignore=shutil.ignore_patterns("broken"))
+    for path in root.rglob(ckpt.RESULTS):
+        results = json.loads(path.read_text())
+        clients = [{**results["clients"][k % 2], "id": k, "task": task} for k, task in enumerate(tasks)]
+        results["clients"] = clients
+        results["avg_rouge_l_personalized"] = statistics.fmean(c["rouge_l_personalized"] for c in clients)
+        path.write_text(json.dumps(results))
+        config = json.loads((path.parent / ckpt.CONFIG).read_text())
+        config["data"].update(name=name, clients=None, **data)
+        (path.parent / ckpt.CONFIG).write_text(json.dumps(config))
+    return root
+
+
+def test_paper_federations_are_recognised():
+    from pflalign.report import paper_federation
+
+    def runs(name, tasks, **data):
+        return [Run(None, "d", "fedavg", 0, {"clients": [{"task": t} for t in tasks]},
+                    {"data": {"name": name, "partition": "natural", **data}}, [])]
+
+    dolly = ["summarization", "classification", "closed_qa", "information_extraction"]  # any order
+    assert paper_federation(runs("flan", FLAN_TASKS)) == "flan" and paper_federation(runs("dolly", dolly)) == "dolly"
+    assert paper_federation(runs("flan", FLAN_TASKS) + runs("dolly", dolly)) is None  # one dataset, two federations
+    assert paper_federation(runs("files", FLAN_TASKS)) is None  # your own files, named alike
+    assert paper_federation(runs("flan", FLAN_TASKS, partition="dirichlet")) is None
+    assert paper_federation(runs("flan", FLAN_TASKS[:3])) is None and paper_federation(runs("flan", FLAN_TASKS + ["x"])) is None
+    assert paper_federation(runs("synthetic", ["arithmetic", "sorting"])) is None
+    assert paper_federation([Run(None, "d", "fedavg", 0, {"clients": [{"task": t} for t in FLAN_TASKS]}, {}, [])]) is None
+
+
+def test_the_papers_parts_only_for_the_papers_federations(sweep_dir, tmp_path):
+    """Family headings, the claims and structure_to_text as the figures' default client: for FLAN's
+    (and Dolly's) paper clients only. Other data, even with a client named structure_to_text, get a
+    neutral report: the first client, no headings, --claims answered by one line."""
+    other = _as_data(sweep_dir, tmp_path / "other", "files", ["arithmetic", "structure_to_text"])
+    assert main(["report", str(other), "--out", str(tmp_path / "r-other"), "--claims"]) == 0
+    report = (tmp_path / "r-other" / "report.md").read_text()
+    assert "### The paper's claims" not in report and "(--claims: the paper's claims are about its FLAN" in report
+    assert "GSNR over rounds, client arithmetic" in report and "client structure_to_text" not in report
+    assert not any(line.startswith("| *") for line in (tmp_path / "r-other" / "synthetic" / "table.md").read_text().splitlines())
+
+    flan = _as_data(sweep_dir, tmp_path / "flan", "flan", FLAN_TASKS)
+    assert main(["report", str(flan), "--out", str(tmp_path / "r-flan"), "--claims"]) == 0
+    report = (tmp_path / "r-flan" / "report.md").read_text()
+    assert "GSNR over rounds, client structure_to_text" in report and "(--claims:" not in report
+    table = (tmp_path / "r-flan" / "synthetic" / "table.md").read_text()
+    assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == [
+        "*LoRA-modulation*", "FFA-LoRA", "*Optimizer-based*", "FedAvg", "*pFLAlign*", "pFLAlign"]
+    # the claims, judged on these runs (pflalign.claims; the rules are tested in test_claims.py): per client
+    # the scores repeat, so pFLAlign's Avg (25 + 28) / 2 = 26.5 is below FedAvg's (25 + 35) / 2 = 30
+    assert main(["report", str(flan), "--out", str(tmp_path / "plain")]) == 0
+    assert "The paper's claims" not in (tmp_path / "plain" / "report.md").read_text()  # only when asked
     section = report[report.index("### The paper's claims"):report.index("### Run time")]
     assert "**Provisional**: 5 of Table 1's 33 runs are in" in section
     assert "| 1 | pFLAlign has the best average ROUGE-L | does not hold | pFLAlign's Avg is 26.50; above it: FedAvg 30.00" in section
@@ -229,7 +299,7 @@ def test_grid_points_of_a_method_get_their_own_rows(sweep_dir, tmp_path):
         shutil.copytree(sweep_dir / "synthetic" / "fedavg" / "seed0", tmp_path / "runs" / "synthetic" / name / "seed0")
     assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "r")]) == 0
     names = [line.split("|")[1].strip() for line in (tmp_path / "r" / "synthetic" / "table.md").read_text().splitlines()[2:]]
-    assert names == ["*Optimizer-based*", "FedAvg", "FedAvg (mu=0.1,x=2)"]
+    assert names == ["FedAvg", "FedAvg (mu=0.1,x=2)"]
 
 
 def test_report_skips_missing_round_eval_with_a_note(sweep_dir, tmp_path):
@@ -365,3 +435,50 @@ def test_report_without_runs_is_one_line_exit_2(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no finished runs" in err
+
+
+def test_whiskers_the_axis_cuts_end_in_a_mark(tmp_path):
+    """The bars' y axis runs from 0 to just over 100 (ROUGE-L ≤ 100); a longer whisker is cut there,
+    and a triangle on the axis says so."""
+    from pflalign.figures import _rouge_bars
+    from pflalign.report import Row
+
+    rows = [Row("fedavg", [0, 1], {"a": 50.0, "b": 98.0}, {"a": 10.0, "b": 12.0}, 74.0, 2.0),  # b: 110 > 105
+            Row("fedsam", [0, 1], {"a": 3.0, "b": 60.0}, {"a": 5.0, "b": None}, 31.5, 30.0),  # a: −2 < 0
+            Row("pflalign", [0], {"a": 0.0, "b": 99.0}, {"a": None, "b": None}, 49.5, None)]  # no whiskers
+    cut = _rouge_bars(tmp_path / "bars.png", ["a", "b"], rows)
+    assert sorted(cut) == [("fedavg", "b", "high"), ("fedsam", "a", "low")]
+    assert _png_size(tmp_path / "bars.png")[0] > 300
+    rows[0].cell_ci["b"], rows[1].cell_ci["a"] = 1.0, 3.0  # whiskers inside the axis: nothing marked
+    assert _rouge_bars(tmp_path / "bars2.png", ["a", "b"], rows) == []
+
+
+def test_scatter_points_with_equal_values_stay_visible(tmp_path, monkeypatch):
+    """Points that would land on one spot (equal to 0.01) are spread evenly on a ring around their value."""
+    import matplotlib.axes
+
+    from pflalign.figures import _rouge_scatter, spread_coincident
+
+    r = 0.5
+    moved = spread_coincident([(1.0, 1.0), (2.0, 2.0), (1.001, 1.0), (1.0, 1.0)], r)
+    s, c = math.sin(math.radians(30)), math.cos(math.radians(30))  # the three at 90°, 210°, 330°
+    expected = [(1.0, 1.0 + r), (2.0, 2.0), (1.001 - r * c, 1.0 - r * s), (1.0 + r * c, 1.0 - r * s)]
+    assert moved == [pytest.approx(p) for p in expected]
+
+    drawn = {}
+    scatter = matplotlib.axes.Axes.scatter
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter",
+                        lambda ax, xs, ys, **kw: drawn.setdefault(kw["label"], list(zip(xs, ys)))
+                        or scatter(ax, xs, ys, **kw))
+
+    def run(method, scores):  # one seed, clients (global, personalized)
+        clients = [{"task": t, "rouge_l_global": g, "rouge_l_personalized": p} for t, (g, p) in scores.items()]
+        return Run(tmp_path, "d", method, 0, {"clients": clients}, {}, [])
+
+    # both methods score 34.5 / 34.5 on "yes", and differ on "no"
+    runs = [run("fedavg", {"yes": (34.5, 34.5), "no": (60.0, 65.5)}), run("fedprox", {"yes": (34.5, 34.5), "no": (50.0, 55.0)})]
+    assert _rouge_scatter(tmp_path / "scatter.png", runs)
+    fedavg, fedprox = drawn["FedAvg (2 clients)"], drawn["FedProx (2 clients)"]
+    assert fedavg[1] == (60.0, 65.5) and fedprox[1] == (50.0, 55.0)  # alone: where they are
+    radius = 0.012 * 65.5  # SPREAD_RADIUS × the largest value (2 coinciding points: no widening)
+    assert fedavg[0] == pytest.approx((34.5, 34.5 + radius)) and fedprox[0] == pytest.approx((34.5, 34.5 - radius))

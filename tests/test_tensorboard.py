@@ -42,3 +42,34 @@ def test_a_run_writes_the_per_round_scalars(tmp_path):
     losses = [m["mean_loss"] for m in rounds if m["event"] == "round"]
     assert [e.step for e in events.Scalars("loss/mean")] == [1, 2]
     assert [e.value for e in events.Scalars("loss/mean")] == pytest.approx(losses)
+
+
+def test_a_run_writes_its_config_as_hparams_and_every_steps_loss(tmp_path):
+    """The HParams dashboard gets every config key (flattened), the config.json as text, and each
+    client's minibatch loss per local step, counted over rounds (round · local_steps + step + 1)."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from pflalign.engine import run
+
+    run(build_config(None, json.loads(json.dumps(TINY))), tmp_path, progress=False)
+    events = EventAccumulator(str(tmp_path / tensorboard.FOLDER))
+    events.Reload()
+    content = events.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    hp = start.session_start_info.hparams
+    assert hp["lora.r"].number_value == 4 and hp["rounds"].number_value == 2 and hp["method"].string_value == "pflalign"
+    assert hp["data.clients"].string_value == "arithmetic,sorting" and hp["data.seed"].string_value == "None"
+    assert hp["log.tensorboard"].string_value == "true" and hp["lr"].number_value == pytest.approx(build_config(None, {}).lr)
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    assert [m.name.tag for m in experiment.metric_infos] == list(tensorboard.HPARAM_METRICS)
+    text = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert json.loads(text.removeprefix("```json\n").removesuffix("\n```")) == json.loads((tmp_path / "config.json").read_text())
+
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for client, name in enumerate(["arithmetic", "sorting"]):
+        steps = [m for m in lines if m["event"] == "train_step" and m["client"] == client]
+        logged = events.Scalars(f"loss/step/{name}")
+        assert [e.step for e in logged] == [1, 2, 3, 4] == [m["round"] * 2 + m["step"] + 1 for m in steps]
+        assert [e.value for e in logged] == pytest.approx([m["loss"] for m in steps])

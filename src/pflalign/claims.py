@@ -13,8 +13,10 @@ seeds both methods ran):
 2. FedSA-LoRA collapses on FLAN: FedAvg − FedSA-LoRA on Avg above 0 with an
    interval above 0; a *collapse* only if FedSA-LoRA's Avg is also below Local's.
 3. FedSAM trails, FedYogi trails (judged separately): FedAvg − it on Avg above 0
-   with an interval above 0. Claims 2 and 3 are *not judged* while the two
-   methods share fewer than 2 seeds (no interval).
+   with an interval above 0. Claims 2 and 3 are *not judged* without an interval
+   that counts (`report.judgeable`): while the two methods share fewer than 3
+   seeds, or their differences are the same in every seed (until 2026-11-26, 2
+   seeds were enough and a zero-width interval counted).
 4. pFLAlign's GSNR rises fastest: its change of the GSNR figure's client's
    GSNR ratio from round 1 to round `report.GSNR_RISE_ROUND` is the largest,
    and above 0 (a ratio that falls, even least of all, does not rise).
@@ -34,8 +36,8 @@ import statistics
 from dataclasses import dataclass
 
 from .methods import label
-from .report import (GSNR_RISE_ROUND, Paired, Row, Run, client_gsnr, paired_differences, run_dynamics,
-                     summarize)
+from .report import (GSNR_RISE_ROUND, MIN_SEEDS_TO_JUDGE, Paired, Row, Run, client_gsnr, paired_differences,
+                     run_dynamics, summarize)
 
 PFLALIGN, FEDAVG, FEDSA, LOCAL = "pflalign", "fedavg", "fedsa-lora", "local"
 TRAILING = ("fedsam", "fedyogi")  # claim 3's two methods
@@ -59,25 +61,33 @@ def _diff(p: Paired | None) -> str:
     if p is None or p.mean(None) is None:
         return "no paired seeds"
     ci = p.ci(None)
-    return f"{p.mean(None):+.2f}" + (f" ± {ci:.2f}" if ci is not None else " (one seed, no interval)")
+    if ci is None:
+        return f"{p.mean(None):+.2f} (one seed, no interval)"
+    text = f"{p.mean(None):+.2f} ± {ci:.2f}"
+    if p.judged(None):
+        return text
+    n = len(p.diffs[None])
+    return text + (f" ({n} seeds, too few to judge)" if n < MIN_SEEDS_TO_JUDGE else
+                   " (the same difference in every seed, no spread to judge)")
+
+
+def _has_interval(p: Paired | None) -> bool:
+    """The paired difference on Avg has a 95% interval that counts (`report.judgeable`): 3 seeds or
+    more that both methods ran, whose differences are not all equal. Claims 2 and 3 ask for an
+    interval above 0, so without one they are not judged."""
+    return p is not None and p.mean(None) is not None and p.judged(None)
 
 
 def _lower_bound(p: Paired | None) -> float:
-    """The lower end of the paired difference's 95% interval on Avg; −inf without one (no paired
-    seeds, or one seed only)."""
-    if p is None or p.mean(None) is None or p.ci(None) is None:
+    """The lower end of the paired difference's 95% interval on Avg; −inf without one that counts
+    (`_has_interval`)."""
+    if not _has_interval(p):
         return float("-inf")
     return p.mean(None) - p.ci(None)
 
 
-def _has_interval(p: Paired | None) -> bool:
-    """The paired difference on Avg has a 95% interval: 2 seeds or more that both methods ran.
-    Claims 2 and 3 ask for an interval above 0, so with fewer they are not judged."""
-    return p is not None and p.mean(None) is not None and p.ci(None) is not None
-
-
 def _above_zero(p: Paired | None) -> bool:
-    """The paired difference on Avg is above 0 with its 95% interval above 0 (needs 2 seeds or more)."""
+    """The paired difference on Avg is above 0 with its 95% interval above 0 (`_has_interval`)."""
     return _lower_bound(p) > 0
 
 

@@ -10,8 +10,10 @@ the reason is returned for report.md.
 
 from __future__ import annotations
 
+import math
 import statistics
 import zlib
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -105,12 +107,18 @@ def _by_method(runs: list[Run], curves: dict) -> dict:
             for m in method_order(r.method for r in runs)}
 
 
-def _rouge_bars(path: Path, tasks: list[str], rows: list[Row]) -> None:
-    """Grouped bars: one group per client (and Avg), one bar per method, 95% CI whiskers."""
+def _rouge_bars(path: Path, tasks: list[str], rows: list[Row]) -> list[tuple[str, str, str]]:
+    """Grouped bars: one group per client (and Avg), one bar per method, 95% CI whiskers. A whisker
+    the axis cuts (below 0, or above just over 100: few seeds make long ones) ends in a triangle on
+    the axis, ▼ at the bottom, ▲ at the top. Returns the cut ones as (method, client or "Avg", "low" or "high")."""
     groups = [*tasks, "Avg"]
     n = len(rows)
     width = 0.84 / n
+    top = max([1.0] + [r.avg + (r.avg_ci or 0) for r in rows]
+              + [v + (r.cell_ci.get(t) or 0) for r in rows for t, v in r.cells.items()])
+    y_max = min(top, 100.0) * 1.05  # ROUGE-L ≤ 100: longer whiskers (few seeds) are cut there
     fig, ax = plt.subplots(figsize=(max(8.0, 1.2 + len(groups) * (0.6 + 0.12 * n)), 4.2), layout="constrained")
+    cut = []
     for i, row in enumerate(rows):
         means = [row.cells.get(t, float("nan")) for t in tasks] + [row.avg]
         cis = [row.cell_ci.get(t) for t in tasks] + [row.avg_ci]
@@ -120,29 +128,58 @@ def _rouge_bars(path: Path, tasks: list[str], rows: list[Row]) -> None:
         ax.bar(xs, means, width, color=st["color"], label=label(row.method),
                edgecolor="black" if row.method == "pflalign" else "none", linewidth=0.6,
                yerr=errs if any(errs) else None, error_kw={"elinewidth": 0.7, "capsize": 1.5, "ecolor": "0.3"})
+        for x, group, mean, err in zip(xs, groups, means, errs):
+            for side, edge, marker, beyond in (("low", 0.0, "v", mean - err < 0.0),
+                                                ("high", y_max, "^", mean + err > y_max)):
+                if err and beyond:
+                    cut.append((row.method, group, side))
+                    ax.plot([x], [edge], marker=marker, markersize=4, color="0.15", linestyle="none",
+                            clip_on=False, zorder=6)
     ax.set_xticks(range(len(groups)), groups)
-    top = max([1.0] + [r.avg + (r.avg_ci or 0) for r in rows]
-              + [v + (r.cell_ci.get(t) or 0) for r in rows for t, v in r.cells.items()])
-    ax.set_ylim(0, min(top, 100.0) * 1.05)  # ROUGE-L ≤ 100: longer whiskers (few seeds) are cut there
+    ax.set_ylim(0, y_max)
     ax.set_ylabel("personalized ROUGE-L (×100)")
-    ax.set_xlabel("client (task); bars: mean over seeds, whiskers: 95% CI")
+    ax.set_xlabel("client (task); bars: mean over seeds, whiskers: 95% CI"
+                  + ("; ▼ ▲: whisker cut at the axis" if cut else ""))
     ax.grid(True, axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     fig.legend(loc="outside right upper", fontsize=8.5, frameon=False)
     ax.set_title("Personalized ROUGE-L per client", fontsize=11)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
+    return cut
 
 
 MAX_BAR_CLIENTS = 20  # more clients than this: the per-client bars are unreadable; the scatter shows them
 
 
+def spread_coincident(points: list[tuple[float, float]], radius: float) -> list[tuple[float, float]]:
+    """Where the scatter puts `points`: those that would be drawn on one spot (equal to 0.01, the
+    tables' precision) each move `radius` from their value onto a ring, evenly spaced from the top
+    (the j-th of k at 90° + 360°·j/k), so every one stays visible (on the label tasks many methods
+    score alike); a point alone stays where it is."""
+    spots: dict[tuple[float, float], list[int]] = {}
+    for i, (x, y) in enumerate(points):
+        spots.setdefault((round(x, 2), round(y, 2)), []).append(i)
+    out = list(points)
+    for members in spots.values():
+        k = len(members)
+        if k < 2:
+            continue
+        for j, i in enumerate(members):
+            angle = math.pi / 2 + 2 * math.pi * j / k
+            out[i] = (points[i][0] + radius * math.cos(angle), points[i][1] + radius * math.sin(angle))
+    return out
+
+
+SPREAD_RADIUS = 0.012  # coinciding scatter points move this fraction of the axis range (× k / 6 past 6 points)
+
+
 def _rouge_scatter(path: Path, runs: list[Run]) -> bool:
     """Per-client ROUGE-L, personalized (y) against global (x), one point per client and method
     (mean over the method's seeds), with the line y = x: above it personalization helped that
-    client. Small translucent markers, so that 100 clients (or 1000) still read as a cloud."""
-    fig, ax = plt.subplots(figsize=(5.6, 5.0), layout="constrained")
-    drawn = False
+    client. Small translucent markers, so that 100 clients (or 1000) still read as a cloud; points
+    that coincide are spread on a small ring around their value (`spread_coincident`), said under the axes."""
+    by_method: dict[str, list[tuple[float, float]]] = {}
     for method in method_order(r.method for r in runs):
         per_task: dict[str, list[tuple[float, float]]] = {}
         for r in runs:
@@ -151,24 +188,29 @@ def _rouge_scatter(path: Path, runs: list[Run]) -> bool:
             for c in r.results["clients"]:
                 if c.get("rouge_l_global") is not None and c.get("rouge_l_personalized") is not None:
                     per_task.setdefault(c["task"], []).append((c["rouge_l_global"], c["rouge_l_personalized"]))
-        if not per_task:
-            continue
-        xs = [statistics.fmean(g for g, _ in v) for v in per_task.values()]
-        ys = [statistics.fmean(p for _, p in v) for v in per_task.values()]
+        if per_task:
+            by_method[method] = [(statistics.fmean(g for g, _ in v), statistics.fmean(p for _, p in v))
+                                 for v in per_task.values()]
+    if not by_method:
+        return False
+    points = [pt for pts in by_method.values() for pt in pts]
+    most = max(Counter((round(x, 2), round(y, 2)) for x, y in points).values())
+    radius = SPREAD_RADIUS * max(1.0, *(v for pt in points for v in pt)) * max(1.0, most / 6)
+    shown = iter(spread_coincident(points, radius))
+    fig, ax = plt.subplots(figsize=(5.6, 5.0), layout="constrained")
+    for method, pts in by_method.items():
+        xs, ys = zip(*[next(shown) for _ in pts])
         st = style(method)
         size = 28 if len(xs) <= 20 else 10
         ax.scatter(xs, ys, s=size, alpha=0.65, color=st["color"], edgecolors="none",
                    label=f"{label(method)} ({len(xs)} clients)")
-        drawn = True
-    if not drawn:
-        plt.close(fig)
-        return False
     top = max(1.0, *(v for a in (ax.get_xlim(), ax.get_ylim()) for v in a))
     ax.plot([0, top], [0, top], color="0.4", linestyle="--", linewidth=0.8, label="y = x")
     ax.set_xlim(0, top)
     ax.set_ylim(0, top)
     ax.set_aspect("equal")
-    ax.set_xlabel("global ROUGE-L (×100)")
+    ax.set_xlabel("global ROUGE-L (×100)" + (f"\npoints that coincide are spread on a ring of radius {radius:.2g} "
+                                               "around their value" if most > 1 else ""))
     ax.set_ylabel("personalized ROUGE-L (×100)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7.5, frameon=False, loc="upper left")
@@ -179,14 +221,16 @@ def _rouge_scatter(path: Path, runs: list[Run]) -> bool:
 
 
 def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Path,
-                  client: str | None = None) -> tuple[list[tuple[str, str]], list[str]]:
-    """Draw one dataset's figures into `folder`; returns ([(title, file name)], [reasons for skipped ones])."""
+                  client: str | None = None, paper: bool = False) -> tuple[list[tuple[str, str]], list[str]]:
+    """Draw one dataset's figures into `folder`; returns ([(title, file name)], [reasons for skipped ones]).
+    `paper`: the runs are of the paper's federations (`report.paper_federation`), whose figures default
+    to the paper's client."""
     drawn, skipped = [], []
     if client is not None and client not in tasks:
         skipped.append(f"client {client!r} is not in this dataset ({', '.join(tasks)}); "
                        f"the per-client figures use the default instead")
         client = None
-    task = figure_client(tasks, client)
+    task = figure_client(tasks, client, paper)
 
     def of_client(event: str, key: str, x):
         def points(r: Run) -> dict:

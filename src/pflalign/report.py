@@ -10,6 +10,10 @@ links everything. A run's dataset is the folder name in a sweep's layout
 Cells are personalized ROUGE-L ×100, the mean over seeds; the Avg column is
 the mean over seeds of each run's client average, ± the half-width of the 95%
 Student-t confidence interval over seeds, t_{0.975, n−1} · s / √n.
+
+The paper's own parts (Table 1's family headings, the claims, structure_to_text
+as the figures' default client) are for its federations only (`paper_federation`);
+other data get a neutral report.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 from . import checkpoint as ckpt
 from .errors import UserError
+from .data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
 from .lifecycle import DIVERGED_LOSS_RATIO, start_loss
 from .methods import FAMILIES, family, label, method_order  # noqa: F401  (FAMILIES: the table's row groups)
 
@@ -75,6 +80,23 @@ def ci95_half_width(values: list[float]) -> float | None:
     return t_quantile(0.975, n - 1) * statistics.stdev(values) / math.sqrt(n)
 
 
+MIN_SEEDS_TO_JUDGE = 3  # fewest values whose 95% interval counts as evidence (a * mark, a claim's interval)
+
+
+def judgeable(values: list[float]) -> bool:
+    """Whether the 95% interval over `values` may be read as evidence: MIN_SEEDS_TO_JUDGE values or
+    more, not all equal. From 2 values s rests on one difference, so the interval's coverage hangs
+    on that one draw; values that are all equal give s = 0, an interval of width 0 that "excludes"
+    every other value, and they happen (scores on a label task move in steps: 2 seeds whose
+    differences are both −16.67 read "−16.67 ± 0.00*"). The interval is still shown."""
+    return len(values) >= MIN_SEEDS_TO_JUDGE and max(values) - min(values) > 1e-9
+
+
+def excludes_zero(values: list[float]) -> bool:
+    """The 95% interval of the mean of `values` lies clear of 0, judged only where `judgeable`."""
+    return judgeable(values) and abs(statistics.fmean(values)) > ci95_half_width(values)
+
+
 # ---- finding runs -----------------------------------------------------------
 @dataclass
 class Run:
@@ -100,14 +122,33 @@ class Run:
 
 
 DEFAULT_CLIENT = "structure_to_text"  # the client of the paper's GSNR figure (FLAN)
+PAPER_FEDERATIONS = {"flan": FLAN_PAPER_CATEGORIES, "dolly": DOLLY_PAPER_CATEGORIES}
 
 
-def figure_client(tasks: list[str], client: str | None) -> str:
+def paper_federation(runs: list[Run]) -> str | None:
+    """"flan" or "dolly" when every run is of that paper federation (FedDPA's, as the paper splits
+    it): `data.name`, the natural partition (one client per category) and the paper's 4 categories
+    as the clients. Only then does the report add the paper's parts: Table 1's family headings,
+    the claims, structure_to_text as the default client of the figures. None otherwise (your own
+    files, a Dirichlet split of FLAN, other categories): a neutral report."""
+    found = set()
+    for r in runs:
+        data = r.config.get("data")
+        data = data if isinstance(data, dict) else {}
+        name = data.get("name")
+        if (name not in PAPER_FEDERATIONS or data.get("partition", "natural") != "natural"
+                or sorted(r.tasks) != sorted(PAPER_FEDERATIONS[name])):
+            return None
+        found.add(name)
+    return found.pop() if len(found) == 1 else None
+
+
+def figure_client(tasks: list[str], client: str | None, paper: bool) -> str:
     """The client of the per-client figures and of the GSNR table: `client` where the dataset has
-    it, else DEFAULT_CLIENT, else the first."""
+    it, else (for the paper's federations, `paper`) DEFAULT_CLIENT where it has that, else the first."""
     if client in tasks:
         return client
-    return DEFAULT_CLIENT if DEFAULT_CLIENT in tasks else tasks[0]
+    return DEFAULT_CLIENT if paper and DEFAULT_CLIENT in tasks else tasks[0]
 
 
 def _number(x) -> bool:
@@ -318,9 +359,9 @@ def _ranks(values: list[float | None]) -> list[int | None]:
             for v in values]
 
 
-def table_markdown(tasks: list[str], rows: list[Row]) -> str:
-    """Table 1 in markdown: family headings, best per column bold, second underlined, † after a
-    method with a diverged run."""
+def table_markdown(tasks: list[str], rows: list[Row], families: bool = True) -> str:
+    """Table 1 in markdown: family headings (the paper's grouping; `families`), best per column
+    bold, second underlined, † after a method with a diverged run."""
     columns = [[row.cells.get(t) for row in rows] for t in tasks] + [[row.avg for row in rows]]
     ranks = [_ranks(col) for col in columns]
 
@@ -331,7 +372,7 @@ def table_markdown(tasks: list[str], rows: list[Row]) -> str:
              "| :-- | " + " | ".join("--:" for _ in tasks) + " | --: |"]
     heading = None
     for i, row in enumerate(rows):
-        if row.family != heading:
+        if families and row.family != heading:
             heading = row.family
             lines.append(f"| *{heading}* |" + " |" * (len(tasks) + 1))
         cells = [mark(f"{row.cells[t]:.2f}", ranks[j][i]) if t in row.cells else "–" for j, t in enumerate(tasks)]
@@ -492,6 +533,14 @@ class Paired:
     def ci(self, task: str | None) -> float | None:
         return ci95_half_width(self.diffs.get(task, []))
 
+    def judged(self, task: str | None) -> bool:
+        """Enough seeds, with some spread, for the interval to count (`judgeable`)."""
+        return judgeable(self.diffs.get(task, []))
+
+    def significant(self, task: str | None) -> bool:
+        """The paired 95% interval excludes 0, where it counts (`excludes_zero`)."""
+        return excludes_zero(self.diffs.get(task, []))
+
 
 def paired_differences(tasks: list[str], runs: list[Run], reference: str = REFERENCE,
                        metric: str = "rouge_l") -> list[Paired]:
@@ -516,7 +565,8 @@ def paired_differences(tasks: list[str], runs: list[Run], reference: str = REFER
 
 
 def paired_markdown(tasks: list[str], paired: list[Paired], reference: str = REFERENCE) -> str:
-    """One row per baseline: mean difference ± paired 95% CI half-width; * where the interval excludes 0."""
+    """One row per baseline: mean difference ± paired 95% CI half-width; * where the interval excludes 0
+    and counts (`judgeable`: 3 seeds or more whose differences are not all equal)."""
     lines = ["| " + f"{label(reference)} − | seeds | " + " | ".join(tasks) + " | Avg |",
              "| :-- | --: | " + " | ".join("--:" for _ in tasks) + " | --: |"]
     for p in paired:
@@ -527,7 +577,7 @@ def paired_markdown(tasks: list[str], paired: list[Paired], reference: str = REF
                 cells.append("–")
                 continue
             text = f"{mean:+.2f}" + (f" ± {ci:.2f}" if ci is not None else "")
-            cells.append(text + ("*" if ci is not None and abs(mean) > ci else ""))
+            cells.append(text + ("*" if p.significant(task) else ""))
         lines.append(f"| {label(p.method)} | {len(p.seeds)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -610,7 +660,8 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
     and paired differences show `metric` (rouge_l or exact_match); the figures are ROUGE-L.
     `paired_against`: the methods that each get a table of paired differences (that method minus
     each other one), each of them with a finished run under `root`; None: pFLAlign, where it ran.
-    `claims`: judge the paper's claims (`pflalign.claims`) under each dataset's tables."""
+    `claims`: judge the paper's claims (`pflalign.claims`) under each dataset's tables, for the
+    paper's federations (`paper_federation`); a dataset of other data gets a line saying why not."""
     if metric not in METRICS:
         raise UserError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
     metric_name = METRICS[metric]
@@ -637,8 +688,9 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
         folder = out / dataset
         folder.mkdir(parents=True, exist_ok=True)
         tasks, rows = summarize(mine, metric)
+        paper = paper_federation(mine)  # the paper's parts (families, claims, default client) only for its data
         many = len(tasks) > MAX_TABLE_CLIENTS
-        table = table_markdown([] if many else tasks, rows)
+        table = table_markdown([] if many else tasks, rows, families=paper is not None)
         diverged = divergence_notes(mine)
         if diverged:
             table += (f"\n† Diverged: the run's last round ended with a mean training loss above "
@@ -665,7 +717,7 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
                       "ROUGE-L is then that answer's share of the references, whatever else it learned (the first "
                       "row scores the most common reference so).", "", answers]
         rouge_rows = rows if metric == "rouge_l" else summarize(mine)[1]
-        figures, skipped = write_figures(mine, tasks, rouge_rows, folder, client)
+        figures, skipped = write_figures(mine, tasks, rouge_rows, folder, client, paper=paper is not None)
         for title, filename in figures:
             lines += [f"### {title}", "", f"![{title}]({dataset}/{filename})", ""]
         if skipped:
@@ -677,17 +729,22 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
                 lines += [f"### {title}", "",
                           f"{label(reference)} minus each other method, seed by seed (the seeds share data splits), "
                           f"in {metric_name} ×100: mean ± paired 95% CI half-width (Student's t over the seeds both "
-                          "ran); * where the interval excludes 0.", "", paired_markdown(tasks, paired, reference)]
+                          f"ran); * where the interval excludes 0, marked only from {MIN_SEEDS_TO_JUDGE} seeds or more "
+                          "whose differences are not all equal.", "", paired_markdown(tasks, paired, reference)]
         lines += ["### Training dynamics", "",
                   "Aggregation consistency Σ_k p_k ‖w_k − w^r‖ (the data-weighted size of the clients' updates: "
                   "lower means they moved less from w^r, not that their directions agree) and the "
                   "GSNR ratio ‖mean g‖² / Σ var(g) of the clients' local gradients along their own paths (it also "
                   "rises as steps shrink), mean over seeds ± 95% CI "
                   "(docs/usage.md has the exact definitions).", "", dynamics_markdown(mine)]
-        gsnr_client = figure_client(tasks, client)
+        gsnr_client = figure_client(tasks, client, paper is not None)
         lines += [f"GSNR ratio of client {gsnr_client} (the GSNR figure's), mean over seeds ± 95% CI:", "",
                   client_gsnr_markdown(mine, gsnr_client)]
-        if claims:
+        if claims and paper is None:
+            lines += [f"(--claims: the paper's claims are about its FLAN and Dolly federations, 4 clients, one per "
+                      f"category: {', '.join(FLAN_PAPER_CATEGORIES)}, or {', '.join(DOLLY_PAPER_CATEGORIES)}; "
+                      "these runs are not one of them, so they are not judged here.)", ""]
+        elif claims:
             from .claims import claims_markdown
 
             lines += ["### The paper's claims", "",

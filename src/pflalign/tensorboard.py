@@ -1,21 +1,30 @@
 """Optional TensorBoard logging (``--set log.tensorboard=true``, extra ``pflalign[tensorboard]``).
 
 `wrap` puts a tee in front of the run's `MetricsLog`: every line still goes to
-metrics.jsonl unchanged, and the per-round numbers also go to TensorBoard event
-files in ``<run>/tensorboard/``, with the round (1-based) as the step:
+metrics.jsonl unchanged, and the numbers also go to TensorBoard event files in
+``<run>/tensorboard/``, with the round (1-based) as the step unless said:
 
+* the run's config: every key as a hyperparameter of the HParams dashboard (``lora.r``,
+  ``method_args.beta``, ...; lists joined by commas, None as "None", booleans "true"/"false"), with
+  ``final/avg_rouge_l_personalized``, ``final/avg_rouge_l_global`` and ``loss/mean`` as its
+  metrics, and the whole config.json as the text ``config``;
+* ``loss/step/<client>``: each local step's minibatch loss (``train_step`` lines), the step
+  counted over all rounds, round · local_steps + step + 1, as the report's loss figure;
 * ``loss/mean`` and ``consistency/update_norm``, ``consistency/model_norm`` (``round`` lines);
 * ``loss/<client>`` (the mean of its local steps), ``gsnr/mean/<client>``, ``gsnr/ratio/<client>``
   (``client_round`` lines);
 * ``rouge_l/{personalized,global}/<client>`` (``round_eval`` lines, with ``eval.every``);
 * ``final/<avg key>`` at the last round (the ``eval`` line).
 
-``tensorboard --logdir runs/`` then shows a 50-round run as it goes. A resumed
-run writes a new event file; TensorBoard shows the newest value of a step.
+Both engines write them: ``pflalign run`` and the Flower ServerApp (its clients' losses come back
+with their updates). ``tensorboard --logdir runs/`` then shows a 50-round run as it goes. A
+resumed run writes a new event file; TensorBoard shows the newest value of a step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 from .errors import UserError
@@ -31,10 +40,33 @@ def available() -> bool:
     return True
 
 
+HPARAM_METRICS = ("final/avg_rouge_l_personalized", "final/avg_rouge_l_global", "loss/mean")
+
+
+def hparams_of(config: dict, prefix: str = "") -> dict[str, int | float | str | bool]:
+    """The config as flat hyperparameters ("lora.r": 16): the HParams plugin takes numbers and
+    strings, so a list becomes "a,b", None "None" and a boolean "true" or "false", as --set spells
+    it (torch's `hparams` would record a boolean as the number 1 or 0)."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(hparams_of(value, f"{name}."))
+        elif isinstance(value, (list, tuple)):
+            out[name] = ",".join(map(str, value))
+        elif isinstance(value, bool):
+            out[name] = "true" if value else "false"
+        elif isinstance(value, (int, float, str)):
+            out[name] = value
+        else:
+            out[name] = str(value)
+    return out
+
+
 class TensorBoardTee:
     """A `MetricsLog` that also writes scalars to TensorBoard (see the module docstring)."""
 
-    def __init__(self, metrics, folder: Path, names: dict[int, str] | None = None):
+    def __init__(self, metrics, folder: Path, names: dict[int, str] | None = None, config: dict | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self._metrics = metrics
@@ -42,6 +74,19 @@ class TensorBoardTee:
         self._names = names or {}
         self._losses: dict[tuple[int, int], list[float]] = {}
         self._last_round = 0
+        self._local_steps = int((config or {}).get("local_steps") or 1)
+        if config is not None:
+            self._hparams(config)
+
+    def _hparams(self, config: dict) -> None:
+        """The config for the HParams dashboard, written into this run's own event file (as
+        `SummaryWriter.add_hparams` does, but without its extra sub-run), and as text."""
+        from torch.utils.tensorboard.summary import hparams
+
+        writer = self._writer._get_file_writer()
+        for summary in hparams(hparams_of(config), dict.fromkeys(HPARAM_METRICS, 0.0)):
+            writer.add_summary(summary)
+        self._writer.add_text("config", "```json\n" + json.dumps(config, indent=2) + "\n```")
 
     def _name(self, client) -> str:
         return self._names.get(client, f"client{client}")
@@ -55,6 +100,8 @@ class TensorBoardTee:
         event = row.get("event")
         if event == "train_step":
             self._losses.setdefault((row["round"], row["client"]), []).append(row["loss"])
+            self._scalar(f"loss/step/{self._name(row['client'])}", row["loss"],
+                         row["round"] * self._local_steps + row["step"] + 1)
             return
         if event == "eval":
             for key, value in row.items():
@@ -100,8 +147,9 @@ def check(cfg) -> None:
 
 
 def wrap(metrics, cfg, out: Path, names: dict[int, str] | None = None):
-    """`metrics` as it is, or teed to TensorBoard when ``log.tensorboard`` is on."""
+    """`metrics` as it is, or teed to TensorBoard when ``log.tensorboard`` is on; `names`: client id →
+    name, for the tags."""
     if not getattr(getattr(cfg, "log", None), "tensorboard", False):
         return metrics
     check(cfg)
-    return TensorBoardTee(metrics, Path(out) / FOLDER, names)
+    return TensorBoardTee(metrics, Path(out) / FOLDER, names, dataclasses.asdict(cfg))

@@ -35,7 +35,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from .. import checkpoint as ckpt, export, run_dir
+from .. import checkpoint as ckpt, export, run_dir, tensorboard
 from ..config import make_method
 from ..errors import UserError
 from ..lifecycle import Recorder, client_row, results_summary
@@ -84,6 +84,8 @@ def run(grid: Grid, rc: dict) -> dict:
         strategy.noise_std = saved["flower"].get("noise_std", {})
         priv.check_resume(saved["flower"].get("privacy"), privacy)
     rec.open(cfg)
+    rec.metrics = tensorboard.wrap(rec.metrics, cfg, rec.out,  # log.tensorboard, as pflalign run
+                                   dict(enumerate(strategy.nodes.names)))
     if not rec.resuming:
         rec.save(0, checkpoint(strategy))  # resumable even if the first round fails
     strategy.summary()
