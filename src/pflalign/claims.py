@@ -21,8 +21,13 @@ seeds both methods ran):
    GSNR ratio from round 1 to round `report.GSNR_RISE_ROUND` is the largest,
    and above 0 (a ratio that falls, even least of all, does not rise).
 5. pFLAlign's aggregation is the most consistent: its consistency (update norm,
-   mean over rounds) is the lowest; stated beside the clients' mean update norm,
-   because that is what the number measures.
+   mean over rounds) is the highest, the paper's direction ("personalized
+   initialization substantially increases consistency", "pFLAlign maintains high
+   consistency"); stated beside the clients' mean update norm, because that is
+   what the number measures. Until 2026-11-26, before the paper's text was at
+   hand, the rule read "most consistent" as the lowest value: a misreading of the
+   claim, corrected once that text was read (it turned claim 5 from "holds" to
+   "does not hold").
 
 A run that diverged (report's † test) counts like any other, as the rules make no exception; claim
 3's evidence and a line under the verdicts name it, so a verdict carried by a blow-up says so.
@@ -200,12 +205,14 @@ def claim_most_consistent(runs: list[Run]) -> Verdict:
     cons, steps = _method_means(runs, run_dynamics, "cons_mean", "update_norm_mean")
     if PFLALIGN not in cons or len(cons) < 2:
         return Verdict("5", claim, NOT_JUDGED, "needs the consistency of pFLAlign and another method")
-    lowest_other = min((m for m in cons if m != PFLALIGN), key=lambda m: cons[m])
+    others = sorted((m for m in cons if m != PFLALIGN), key=lambda m: cons[m])
     size = lambda m: f", mean update norm ‖w_k − w^r‖ {steps[m]:.3g}" if m in steps else ""  # noqa: E731
-    evidence = (f"consistency: pFLAlign {cons[PFLALIGN]:.3g}{size(PFLALIGN)}; the lowest other "
-                f"{label(lowest_other)} {cons[lowest_other]:.3g}{size(lowest_other)}. The consistency is the "
-                "clients' data-weighted update size: lower says they moved less, not that their directions agree")
-    return Verdict("5", claim, HOLDS if cons[PFLALIGN] < cons[lowest_other] else DOES_NOT_HOLD, evidence)
+    evidence = (f"consistency (the paper's direction: higher is more consistent): pFLAlign "
+                f"{cons[PFLALIGN]:.3g}{size(PFLALIGN)}; the highest other {label(others[-1])} "
+                f"{cons[others[-1]]:.3g}{size(others[-1])}, the lowest other {label(others[0])} "
+                f"{cons[others[0]]:.3g}. The consistency is the clients' data-weighted update size: it says how far "
+                "they moved, not that their directions agree")
+    return Verdict("5", claim, HOLDS if cons[PFLALIGN] > cons[others[-1]] else DOES_NOT_HOLD, evidence)
 
 
 def judge(runs: list[Run], task: str) -> list[Verdict]:
