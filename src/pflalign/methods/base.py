@@ -26,11 +26,12 @@ the replies themselves: its memory does not grow with the participants.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable, ClassVar
 
 import torch
 
+from ..optim import SGD, AdamW
 from ..params import Params, clone, empty_like, zeros_like  # noqa: F401  (the methods' helpers too)
 
 State = dict[str, Params]
@@ -45,8 +46,16 @@ class StepContext:
     round: int  # 0-based round index r
     step: int  # 0-based local step t
     num_steps: int  # T, local steps per round
-    lr: float  # η
+    lr: float  # η (of this round: optimizer.schedule)
     global_params: Params  # w^r, read-only
+    # the client's optimizer for this round (optimizer.name; fresh every round): `descend` steps with it
+    optimizer: SGD | AdamW = field(default_factory=SGD)
+
+    def descend(self, name: str, w: torch.Tensor, direction: torch.Tensor) -> None:
+        """One optimizer step on tensor `name` along the method's descent direction, in place:
+        w ← w − η d with SGD (bit for bit the methods' step before optimizers were a choice),
+        AdamW's step on d with adamw (pflalign.optim)."""
+        self.optimizer.descend(name, w, direction, self.lr)
 
 
 @dataclass
@@ -155,6 +164,9 @@ class Method:
     # the groups of `client_end`'s message that hold adapter weights (the Flower server measures
     # an update's size against w^r there; other groups, like SCAFFOLD's delta_c, as they are)
     weight_groups: ClassVar[tuple[str, ...]] = ("params",)
+    # why optimizer.name=adamw is not defined for the method (None: AdamW runs on the
+    # direction its `local_step` hands `ctx.descend`); docs/methods.md lists each method's
+    refuses_adamw: ClassVar[str | None] = None
 
     def __init__(self, args=None):
         self.args = args if args is not None else self.Args()
@@ -196,7 +208,7 @@ class Method:
         """
         loss, grads = grad_fn()
         for n, w in params.items():
-            w.add_(grads[n], alpha=-ctx.lr)
+            ctx.descend(n, w, grads[n])
         return loss
 
     def client_end(self, global_params: Params, params: Params, state: State) -> Message:

@@ -69,6 +69,7 @@ class PFLAlign(Method):
     label = "pFLAlign"
     family = "pFLAlign"
     Args = PFLAlignArgs
+    refuses_adamw = "its preconditioner P (with m and v) is its optimizer"
 
     def init_client_state(self, global_params: Params) -> State:
         return {"delta": zeros_like(global_params), "v": zeros_like(global_params), "P": zeros_like(global_params)}
