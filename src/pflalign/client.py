@@ -254,6 +254,9 @@ def make_client(k: int, data: ClientShare, tokenizer, cfg: RunConfig, state: Sta
             + (f" x optimizer.grad_accumulation={cfg.optimizer.grad_accumulation}"
                if cfg.optimizer.grad_accumulation > 1 else "")
         )
+    conversation = next((ex for ex in data.train if ex.messages is not None), None)
+    if conversation is not None:  # a chat template that cannot split conversations fails now, not in round 1
+        encode_train(tokenizer, conversation, cfg.max_seq_len, cfg.data.template)
     if encoded is None:
         encoded = lambda: [encode_train(tokenizer, ex, cfg.max_seq_len, cfg.data.template)  # noqa: E731
                            for ex in data.train]
