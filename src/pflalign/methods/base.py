@@ -11,6 +11,11 @@ state plus `step`):
 * its **state**: per client (`init_client_state`, kept across rounds on the
   client) and on the server (`init_server_state`).
 
+A local step moves each trained tensor with ``ctx.descend(name, w, d)`` along its descent
+direction d; the round's optimizer (`pflalign.optim`: SGD, the default, w ← w − η d, or
+AdamW on d) takes the step, so "SGD" in a method's docstring is the default optimizer's
+step, and a method that cannot run under AdamW says why in `refuses_adamw`.
+
 All parameters are `Params`: LoRA tensors by name. State is a `State`: named
 `Params` groups (e.g. pFLAlign's ``{"delta", "v", "P"}``), so it checkpoints
 with `torch.save` and travels as Flower ArrayRecords unchanged. The engine
