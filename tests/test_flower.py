@@ -483,3 +483,23 @@ def test_a_malicious_client_is_rejected_and_the_honest_result_unaffected(tmp_pat
     alone = _with_clients(tmp_path / "alone")
     assert_close(ckpt.load_checkpoint(out / ckpt.CHECKPOINT)["global"], alone["global"], "global adapter")
     assert_close(personalized(clients, results, 0, 4), alone["clients"][0]["personalized"], "client 0 personalized")
+
+
+def test_simulation_engine_runs_the_local_optimizer_as_in_process(tmp_path, reference):
+    """optimizer.* (issue 42) reach the ClientApps with the run's config: FedProx with AdamW, a
+    cosine lr over the rounds and gradient accumulation gives the in-process run's adapters."""
+    over = {"lr": 1e-3, "optimizer": {"name": "adamw", "weight_decay": 0.01, "schedule": "cosine", "min_lr": 1e-4,
+                                      "grad_accumulation": 2}}
+    cluster = make_cluster(tmp_path, simulation=True)
+    try:
+        cluster.start_link()
+        out, clients = tmp_path / "out", tmp_path / "clients"
+        cluster.flwr_run({"set": json.dumps({**tiny("fedprox"), **over}), "out": str(out), "client-dir": str(clients)},
+                         "sim")
+        output = cluster.finish("sim", RUN_TIMEOUT)
+        assert (out / ckpt.RESULTS).exists(), output[-3000:]
+        assert json.loads((out / ckpt.CONFIG).read_text())["optimizer"]["name"] == "adamw"
+        assert_matches_in_process(out, [clients, clients], reference("fedprox", **over))
+    finally:
+        cluster.close()
+    check_closed(cluster)

@@ -23,8 +23,9 @@ from .config import RunConfig
 from .errors import TrainingDiverged, UserError
 from .evaluate import generate, rouge_l
 from .methods.base import Message, Method, Params, State, StepContext, zeros_like
+from .optim import make_optimizer, round_lr
 from .partition import ClientShare
-from .prompts import Encoded, batch_indices, collate_train, encode_prompt, encode_train
+from .prompts import IGNORE, Encoded, batch_indices, collate_train, encode_prompt, encode_train
 
 
 class GradientStats:
@@ -120,17 +121,42 @@ def _diverged(what: str, round_index: int, step: int, lr: float) -> TrainingDive
     )
 
 
+def accumulated_loss_and_grads(lm, microbatches: list[dict], total: Params | None) -> tuple[float, Params]:
+    """The loss and gradient of one local step made of k microbatches (gradient accumulation):
+    Σ_j (n_j / Σ n) (loss_j, ∇loss_j), n_j the response tokens of microbatch j, each loss_j the
+    mean over its own tokens, so the sum is the mean over all the step's tokens, as one batch of
+    them would give (up to float error). `total` is the buffer the gradients add into (zeroed
+    here; the caller's, reused every step, like the model's .grad buffers)."""
+    counts = [int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in microbatches]
+    tokens = sum(counts)
+    for g in total.values():
+        g.zero_()
+    loss = 0.0
+    for mb, count in zip(microbatches, counts):
+        share = count / tokens
+        part, grads = lm.loss_and_grads(mb)
+        for n, g in grads.items():
+            total[n].add_(g, alpha=share)
+        loss += share * part
+    return loss, total
+
+
 def local_round(
     lm, method: Method, state: State, global_params: Params, received: Message,
-    batches: Iterable[dict], lr: float, round_index: int,
-    on_step: Callable[[int, float], None] | None = None,
+    batches: Iterable[dict | list[dict]], lr: float, round_index: int,
+    on_step: Callable[[int, float], None] | None = None, optimizer=None,
 ) -> ClientRound:
     """Run one round of `method`'s client rule on the live adapter of `lm`.
 
-    `batches` holds the T minibatches of the round; `state` is the client's
-    persistent method state and is updated in place.
+    `batches` holds the T minibatches of the round (a step's minibatch, or its list of
+    microbatches with gradient accumulation); `lr` is the round's η (`round_lr`);
+    `optimizer` the run's `config.OptimizerConfig` (None: SGD), whose optimizer is made
+    fresh here, for this round only; `state` is the client's persistent method state and
+    is updated in place.
     """
     batches = list(batches)
+    opt = make_optimizer(optimizer) if optimizer is not None else None
+    accumulated = None  # the gradient buffer of accumulated steps, made at the first
     lm.set_lora(method.client_start(global_params, state, received))
     stats = GradientStats()
     frozen = [n for n in lm.lora if not method.trains(n)]  # left out of the GSNR (FFA-LoRA's A)
@@ -140,8 +166,14 @@ def local_round(
         first_call = [True]
 
         def grad_fn(batch=batch, first_call=first_call, t=t):
+            nonlocal accumulated
             with torch.enable_grad():  # once here, for every method's `local_step` (which runs without)
-                loss, grads = lm.loss_and_grads(batch)
+                if isinstance(batch, dict):
+                    loss, grads = lm.loss_and_grads(batch)
+                else:
+                    if accumulated is None:
+                        accumulated = zeros_like({n: p.detach() for n, p in lm.lora.items()})
+                    loss, grads = accumulated_loss_and_grads(lm, batch, accumulated)
             if not math.isfinite(loss):
                 raise _diverged("the loss", round_index, t, lr)
             if bad := _non_finite(grads):
@@ -152,6 +184,8 @@ def local_round(
             return loss, grads
 
         ctx = StepContext(round=round_index, step=t, num_steps=len(batches), lr=lr, global_params=global_params)
+        if opt is not None:
+            ctx.optimizer = opt
         loss = method.local_step(lm.lora, grad_fn, state, ctx)
         if bad := _non_finite(lm.lora):
             raise _diverged(f"the weights {bad}", round_index, t, lr)
@@ -215,32 +249,53 @@ def make_client(k: int, data: ClientShare, tokenizer, cfg: RunConfig, state: Sta
     """Client k (checked against batch_size). `encoded`: its training examples' token ids, or a
     function that returns them (data_cache.client_data); by default they are tokenized here on
     first use (`Client.train`), not now."""
-    if len(data.train) < cfg.batch_size:
+    step_size = cfg.batch_size * cfg.optimizer.grad_accumulation
+    if len(data.train) < step_size:
         raise UserError(
             f"client {k} ({data.name}) has {len(data.train)} training examples, fewer than batch_size={cfg.batch_size}"
+            + (f" x optimizer.grad_accumulation={cfg.optimizer.grad_accumulation}"
+               if cfg.optimizer.grad_accumulation > 1 else "")
         )
+    conversation = next((ex for ex in data.train if ex.messages is not None), None)
+    if conversation is not None:  # a chat template that cannot split conversations fails now, not in round 1
+        encode_train(tokenizer, conversation, cfg.max_seq_len, cfg.data.template)
     if encoded is None:
         encoded = lambda: [encode_train(tokenizer, ex, cfg.max_seq_len, cfg.data.template)  # noqa: E731
                            for ex in data.train]
     return Client(k, data, encoded, state)
 
 
-def draw_batches(client: Client, cfg: RunConfig, pad_id: int) -> list[dict]:
+def draw_batches(client: Client, cfg: RunConfig, pad_id: int) -> list[dict | list[dict]]:
     """The client's T minibatches of its next round (advances `steps_taken`): a pure
-    function of (seed, client, step), wherever the client runs."""
+    function of (seed, client, step), wherever the client runs. With gradient accumulation
+    (k = optimizer.grad_accumulation > 1) a step draws batch_size × k examples, the very
+    examples one batch of that size would hold, as k microbatches of batch_size."""
+    k = cfg.optimizer.grad_accumulation
     batches = []
     for _ in range(cfg.local_steps):
-        idx = batch_indices(client.n_train, cfg.batch_size, client.steps_taken, cfg.seed * 1009 + client.id)
-        batches.append(collate_train([client.train[i] for i in idx], pad_id))
+        idx = batch_indices(client.n_train, cfg.batch_size * k, client.steps_taken, cfg.seed * 1009 + client.id)
+        examples = [client.train[i] for i in idx]
+        if k == 1:
+            batches.append(collate_train(examples, pad_id))
+        else:
+            batches.append([collate_train(examples[j:j + cfg.batch_size], pad_id)
+                            for j in range(0, len(examples), cfg.batch_size)])
         client.steps_taken += 1
     return batches
+
+
+def client_lr(cfg: RunConfig, round_index: int) -> float:
+    """The clients' η in round `round_index` (optimizer.schedule)."""
+    opt = cfg.optimizer
+    return round_lr(cfg.lr, opt.schedule, opt.min_lr, cfg.rounds, round_index)
 
 
 def train_client(lm, method: Method, client: Client, global_params: Params, received: Message, cfg: RunConfig,
                  round_index: int, on_step: Callable[[int, float], None] | None = None) -> ClientRound:
     """Client's round `round_index`: its next T minibatches, `local_round`; keeps its personalized adapter."""
     batches = draw_batches(client, cfg, lm.tokenizer.pad_token_id)
-    result = local_round(lm, method, client.state, global_params, received, batches, cfg.lr, round_index, on_step)
+    result = local_round(lm, method, client.state, global_params, received, batches, client_lr(cfg, round_index),
+                         round_index, on_step, cfg.optimizer)
     client.personalized = result.personalized
     return result
 

@@ -82,6 +82,26 @@ class LogConfig:
     tensorboard: bool = False  # also log per-round scalars to <out>/tensorboard (extra: pflalign[tensorboard])
 
 
+OPTIMIZERS = ("sgd", "adamw")  # optimizer.name (pflalign.optim)
+SCHEDULES = ("constant", "cosine")  # optimizer.schedule
+
+
+@dataclass
+class OptimizerConfig:
+    """The clients' local optimizer, the learning rate across rounds and gradient accumulation
+    (pflalign.optim says what each means). Written to config.json only when it differs from
+    these defaults (`to_dict`), so a default run's config.json is the one it was before."""
+
+    name: str = "sgd"  # sgd (the paper's) | adamw (OpenFedLLM's, FlowerTune's); moments reset every round
+    beta1: float = 0.9  # adamw
+    beta2: float = 0.999  # adamw
+    eps: float = 1e-8  # adamw
+    weight_decay: float = 0.0  # adamw, decoupled (the HF Trainer's default 0)
+    schedule: str = "constant"  # constant | cosine (FlowerTune's cosine_annealing over rounds, to min_lr)
+    min_lr: float = 0.0  # cosine: the last round's lr
+    grad_accumulation: int = 1  # microbatches of batch_size per local step
+
+
 @dataclass
 class RunConfig:
     method: str = "pflalign"
@@ -91,6 +111,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     rounds: int = 50
     local_steps: int = 5
     batch_size: int = 4
@@ -285,6 +306,31 @@ def validate(cfg: RunConfig) -> None:
 
     check_options(cfg.data.name, FederationOptions.from_config(cfg.data))
     method_args(cfg)  # unknown method or hyperparameter fails here, before any work
+    check_optimizer(cfg)
+
+
+def check_optimizer(cfg: RunConfig) -> None:
+    """optimizer.*'s values, and whether the method takes AdamW local steps (`Method.refuses_adamw`)."""
+    opt = cfg.optimizer
+    checks = [
+        (opt.name in OPTIMIZERS, f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got {opt.name!r}"),
+        (opt.schedule in SCHEDULES, f"optimizer.schedule must be one of {', '.join(SCHEDULES)}, got {opt.schedule!r}"),
+        (0 <= opt.beta1 < 1, f"optimizer.beta1 must be in [0, 1), got {opt.beta1}"),
+        (0 <= opt.beta2 < 1, f"optimizer.beta2 must be in [0, 1), got {opt.beta2}"),
+        (opt.eps > 0, f"optimizer.eps must be > 0, got {opt.eps}"),
+        (opt.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {opt.weight_decay}"),
+        (0 <= opt.min_lr <= cfg.lr, f"optimizer.min_lr must be in [0, lr={cfg.lr:g}], got {opt.min_lr}"),
+        (opt.grad_accumulation > 0, f"optimizer.grad_accumulation must be > 0, got {opt.grad_accumulation}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+    from .methods import method_class
+
+    why = method_class(cfg.method).refuses_adamw
+    if opt.name == "adamw" and why:
+        raise UserError(f"optimizer.name=adamw is not defined for method {cfg.method}: {why}; "
+                        "use optimizer.name=sgd (docs/methods.md)")
 
 
 def _non_finite(obj, prefix: str = "") -> list[str]:
@@ -360,4 +406,10 @@ def make_method(cfg: RunConfig):
 
 
 def to_dict(cfg: RunConfig) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as written to config.json. The `optimizer` section (issue 42) only when it
+    differs from its defaults: a default run's config.json (and so the pinned results' hash
+    of it) stays what it was before the section existed; reading it back gives the defaults."""
+    out = dataclasses.asdict(cfg)
+    if cfg.optimizer == OptimizerConfig():
+        del out["optimizer"]
+    return out

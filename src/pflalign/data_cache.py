@@ -150,14 +150,25 @@ def _read(path: Path, key: dict) -> tuple[ClientShare, list[Encoded]] | None:
         saved = json.loads(path.read_text())
         if saved.get("key") != key:
             return None
-        share = ClientShare(saved["name"], [Example(p, r) for p, r in saved["train"]],
-                            [Example(p, r) for p, r in saved["test"]])
+        share = ClientShare(saved["name"], [_example(row) for row in saved["train"]],
+                            [_example(row) for row in saved["test"]])
         encoded = [Encoded(list(ids), list(labels), bool(cut)) for ids, labels, cut in saved["encoded"]]
         if len(encoded) != len(share.train):
             return None
         return share, encoded
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _row(example: Example) -> list:
+    """An example as JSON: [prompt, response], and a conversation's turns third."""
+    row = [example.prompt, example.response]
+    return row if example.messages is None else row + [[list(turn) for turn in example.messages]]
+
+
+def _example(row: list) -> Example:
+    prompt, response, *turns = row
+    return Example(prompt, response, tuple(tuple(t) for t in turns[0]) if turns else None)
 
 
 def encode(share: ClientShare, tokenizer, cfg: RunConfig) -> list[Encoded]:
@@ -183,8 +194,8 @@ def client_data(cfg: RunConfig, tokenizer, k: int, data_dir: str | None = None,
     if path is not None:
         try:
             ckpt.write_json(path, indent=None, obj={"key": key, "name": share.name,
-                                   "train": [[e.prompt, e.response] for e in share.train],
-                                   "test": [[e.prompt, e.response] for e in share.test],
+                                   "train": [_row(e) for e in share.train],
+                                   "test": [_row(e) for e in share.test],
                                    "encoded": [[e.input_ids, e.labels, e.truncated] for e in encoded]})
         except (OSError, ckpt.DiskFull) as exc:  # a read-only or full cache costs time, never the run
             log.warning("cannot write the tokenized-data cache %s (%s)", path, exc)

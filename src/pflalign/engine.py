@@ -130,7 +130,8 @@ class Federation:
                                                     RoundContext(r, len(self.clients), chosen))
         jobs = [self._train_job(r, k) for k in chosen]
         steps_after = [self.clients[k].steps_taken for k in chosen]
-        costs = [float(sum(int(b["attention_mask"].sum()) for b in job.batches)) for job in jobs]  # tokens
+        costs = [float(sum(int(b["attention_mask"].sum()) for step in job.batches  # tokens
+                           for b in ([step] if isinstance(step, dict) else step))) for job in jobs]
         results = []
         done_jobs = self.runner.map(jobs, {"global": self.global_params, "received": received}, costs,
                                     on_step=lambda i, t, loss: bar.update(1))

@@ -4,7 +4,9 @@ Truncation rule (documented in docs/usage.md): an example longer than
 ``max_len`` tokens keeps its response (plus EOS) up to half of ``max_len``,
 cut from the right; the prompt then keeps its *last* tokens, so the chat
 template's generation prompt ("assistant:") always survives. Truncated
-examples are counted and reported, never dropped.
+examples are counted and reported, never dropped. A conversation is cut the
+same way, its last assistant turn being the response and everything before
+it (earlier assistant turns keep their labels) the prompt.
 """
 
 from __future__ import annotations
@@ -54,21 +56,76 @@ class Encoded:
     truncated: bool
 
 
+def _render(tokenizer, turns: list[dict], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(turns, add_generation_prompt=generation_prompt, tokenize=False)
+
+
+def encode_conversation(tokenizer, messages) -> tuple[list[int], list[int], list[int]]:
+    """A conversation through the tokenizer's chat template: (ids before its last assistant turn,
+    their labels, the last assistant turn's ids). Every assistant turn is learned as the template
+    renders it (its content and end-of-turn marker: the text the template adds between the
+    conversation before it, with the generation prompt, and the conversation through it); all
+    else (system, user turns, the template's role headers) is masked with IGNORE. EOS follows
+    the last turn when the template put none in it, as in instruction examples.
+
+    The template must render a conversation's beginnings as prefixes of it (most do: ChatML,
+    Llama 3, SmolLM2); one that rewrites earlier turns is refused with one line."""
+    from .errors import UserError
+
+    turns = [{"role": role, "content": content} for role, content in messages]
+    ids: list[int] = []
+    labels: list[int] = []
+    last: list[int] = []
+    done = ""
+    for i, turn in enumerate(turns):
+        if turn["role"] != "assistant":
+            continue
+        before = _render(tokenizer, turns[:i], True)
+        through = _render(tokenizer, turns[: i + 1], False)
+        if not before.startswith(done) or not through.startswith(before):
+            raise UserError("the tokenizer's chat template does not render a conversation's first turns as the "
+                            "beginning of the whole (it rewrites earlier turns), so its assistant turns cannot be "
+                            "told apart; use data.template=plain")
+        head = _ids(tokenizer, before[len(done):])
+        answer = _ids(tokenizer, through[len(before):])
+        ids += last + head  # the previous assistant turn, learned, then the next prompt part, masked
+        labels += last + [IGNORE] * len(head)
+        last, done = answer, through
+    if tokenizer.eos_token_id not in last:
+        last = last + [tokenizer.eos_token_id]
+    return ids, labels, last
+
+
+def _is_conversation(tokenizer, example: Example, template: str) -> bool:
+    return example.messages is not None and _chat(tokenizer, template)
+
+
 def encode_train(tokenizer, example: Example, max_len: int, template: str = "chat") -> Encoded:
-    """Prompt + response + EOS; the prompt's labels are IGNORE so only the response is learned."""
-    prompt = _ids(tokenizer, format_prompt(tokenizer, example.prompt, template), template)
-    response = list(tokenizer(example.response, add_special_tokens=False)["input_ids"])
-    response.append(tokenizer.eos_token_id)
+    """Prompt + response + EOS; the prompt's labels are IGNORE so only the response is learned
+    (a conversation: every assistant turn, `encode_conversation`)."""
+    if _is_conversation(tokenizer, example, template):
+        prompt, prompt_labels, response = encode_conversation(tokenizer, example.messages)
+    else:
+        prompt = _ids(tokenizer, format_prompt(tokenizer, example.prompt, template), template)
+        prompt_labels = [IGNORE] * len(prompt)
+        response = list(tokenizer(example.response, add_special_tokens=False)["input_ids"])
+        response.append(tokenizer.eos_token_id)
     truncated = len(prompt) + len(response) > max_len
     if truncated:
         response = response[: max(max_len // 2, max_len - len(prompt))]
-        prompt = prompt[max(0, len(prompt) - (max_len - len(response))) :]
-    return Encoded(prompt + response, [IGNORE] * len(prompt) + response, truncated)
+        keep = max(0, len(prompt) - (max_len - len(response)))
+        prompt, prompt_labels = prompt[keep:], prompt_labels[keep:]
+    return Encoded(prompt + response, prompt_labels + response, truncated)
 
 
 def encode_prompt(tokenizer, example: Example, max_len: int, template: str = "chat") -> tuple[list[int], bool]:
-    """The prompt alone, for generation; left-truncated to max_len."""
-    prompt = _ids(tokenizer, format_prompt(tokenizer, example.prompt, template), template)
+    """The prompt alone, for generation; left-truncated to max_len. A conversation's: its turns
+    before the last assistant turn, with the generation prompt."""
+    if _is_conversation(tokenizer, example, template):
+        text = _render(tokenizer, [{"role": r, "content": c} for r, c in example.messages[:-1]], True)
+    else:
+        text = format_prompt(tokenizer, example.prompt, template)
+    prompt = _ids(tokenizer, text, template)
     return prompt[-max_len:], len(prompt) > max_len
 
 

@@ -43,7 +43,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import allocator
-from .client import ClientRound, local_round, score_client
+from .client import ClientRound, client_lr, local_round, score_client
 from .client_store import ClientRecord, ClientStore
 from .data import Example
 from .errors import TrainingDiverged, UserError
@@ -123,7 +123,7 @@ def run_train_job(side: ClientSide, job: TrainJob, shared: dict,
     state, _ = loaded if loaded is not None else (side.method.init_client_state(side.initial_params), None)
     try:
         result = local_round(side.lm, side.method, state, shared["global"], shared["received"], job.batches,
-                             side.cfg.lr, job.round, on_step)
+                             client_lr(side.cfg, job.round), job.round, on_step, side.cfg.optimizer)
     except TrainingDiverged as exc:
         raise TrainingDiverged(f"client {job.k} ({job.record.name}): {exc}") from None
     # its new state, under a name no checkpoint knows yet (a crash before the round's

@@ -18,6 +18,12 @@ Sources:
 A `test` split next to `train` is the source's own test set (see
 `pflalign.data.federate`); other splits (validation, ...) are ignored and logged.
 
+Conversations: a source with a `messages` column (a list of ``{"role", "content"}``
+turns, roles system / user / assistant, the common chat format of TRL and the Hugging
+Face hub) and no instruction column is read as one conversation per row, ending with
+the assistant turn that is its reference answer (`conversation_example`). A
+conversation of one user turn and its answer is an ordinary instruction example.
+
 Bad input is one line (`UserError`, exit 2): a missing file or column, an empty
 file, a row with an empty instruction or response (or label) unless
 `drop_empty=True`, which drops such rows and counts them instead.
@@ -39,6 +45,8 @@ from pflalign.errors import UserError
 log = logging.getLogger(__name__)
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+MESSAGES = "messages"  # the column of a conversational source
+ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -78,12 +86,16 @@ def read_table(
     if ignored:
         log.info("%s: ignoring split(s) %s (only train and test are used)", where, ", ".join(ignored))
     dropped: Counter[str] = Counter()
+    present = splits[train_name].column_names
+    if MESSAGES in present and columns.instruction not in present:
+        columns = Columns(MESSAGES, MESSAGES)  # one column holds the prompt and the response
     examples, labels = _rows(splits[train_name], f"{where} ({train_name})", columns, label, drop_empty, dropped)
     test_examples = test_labels = None
     if "test" in splits and train_name != "test":
         test_examples, test_labels = _rows(splits["test"], f"{where} (test)", columns, label, drop_empty, dropped,
                                            is_test=True)
-    used = {"instruction": columns.instruction, "response": columns.response}
+    used = ({"messages": MESSAGES} if columns.instruction == columns.response == MESSAGES
+            else {"instruction": columns.instruction, "response": columns.response})
     if columns.context:
         used["context"] = columns.context
     if label:
@@ -192,7 +204,9 @@ def _rows(
     dropped: Counter,
     is_test: bool = False,
 ) -> tuple[list[Example], list[str]]:
-    keys = [("instruction", columns.instruction), ("response", columns.response)]
+    conversations = columns.instruction == columns.response == MESSAGES
+    keys = [("messages", MESSAGES)] if conversations else [("instruction", columns.instruction),
+                                                            ("response", columns.response)]
     if columns.context:
         keys.append(("context", columns.context))
     if label:
@@ -210,8 +224,13 @@ def _rows(
     prefix = "test: " if is_test else ""
     for i in range(table.num_rows):
         row = f"{where} row {i + 1}"
-        instruction = _text(data["instruction"][i], columns.instruction, row)
-        response = _text(data["response"][i], columns.response, row)
+        turns = _conversation(data["messages"][i], row) if conversations else None
+        if conversations:
+            instruction = "\n".join(c for r, c in turns[:-1] if r == "user")  # empty: no user text
+            response = turns[-1][1]
+        else:
+            instruction = _text(data["instruction"][i], columns.instruction, row)
+            response = _text(data["response"][i], columns.response, row)
         context = _text(data["context"][i], columns.context, row) if "context" in data else ""
         value = _text(data["label"][i], label, row) if "label" in data else ""
         empty = [(role, name) for role, name, text in (("instruction", columns.instruction, instruction),
@@ -225,9 +244,45 @@ def _rows(
                                 "data.drop_empty=true to drop such rows")
             dropped[f"{prefix}empty {role} (column {name!r})"] += 1
             continue
-        prompt = f"{instruction}\n\nContext:\n{context}" if context else instruction
-        examples.append(Example(prompt=prompt, response=response))
+        if conversations:
+            examples.append(conversation_example(turns))
+        else:
+            prompt = f"{instruction}\n\nContext:\n{context}" if context else instruction
+            examples.append(Example(prompt=prompt, response=response))
         labels.append(value)
     if not examples:
         raise UserError(f"{where}: every row was dropped (empty instruction, response or label)")
     return examples, labels
+
+
+def _conversation(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    """A `messages` cell as (role, content) turns, checked: roles system / user / assistant, at
+    least one user turn, and an assistant turn last (the reference answer)."""
+    shape = f"{where}: column {MESSAGES!r} must be a list of {{role, content}} turns"
+    if not isinstance(value, list) or not value:
+        raise UserError(f"{shape}, got {type(value).__name__ if value is not None else 'nothing'}")
+    turns = []
+    for j, turn in enumerate(value, 1):
+        if not isinstance(turn, dict) or not {"role", "content"} <= turn.keys():
+            raise UserError(f"{shape}; turn {j} is {turn!r}")
+        role = turn["role"]
+        if role not in ROLES:
+            raise UserError(f"{where}: turn {j} has role {role!r}; the roles are {', '.join(ROLES)}")
+        turns.append((role, _text(turn["content"], f"{MESSAGES}[{j}].content", where)))
+    if turns[-1][0] != "assistant":
+        raise UserError(f"{where}: the conversation ends with a {turns[-1][0]} turn; it must end with the "
+                        "assistant turn that is its reference answer")
+    return tuple(turns)
+
+
+def conversation_example(turns: tuple[tuple[str, str], ...]) -> Example:
+    """The example of a conversation ending with an assistant turn: response = that turn.
+    One user turn and its answer make a plain instruction example (prompt = the user turn);
+    any other conversation keeps its turns for the chat template (pflalign.prompts), and its
+    prompt is the turns before the answer as "Role: content" paragraphs (what the plain
+    template shows the model, and what predictions.jsonl shows you)."""
+    *before, (_, response) = turns
+    if [role for role, _ in before] == ["user"]:
+        return Example(prompt=before[0][1], response=response)
+    prompt = "\n\n".join(f"{role.capitalize()}: {content}" for role, content in before)
+    return Example(prompt=prompt, response=response, messages=tuple(turns))

@@ -11,6 +11,11 @@ state plus `step`):
 * its **state**: per client (`init_client_state`, kept across rounds on the
   client) and on the server (`init_server_state`).
 
+A local step moves each trained tensor with ``ctx.descend(name, w, d)`` along its descent
+direction d; the round's optimizer (`pflalign.optim`: SGD, the default, w ← w − η d, or
+AdamW on d) takes the step, so "SGD" in a method's docstring is the default optimizer's
+step, and a method that cannot run under AdamW says why in `refuses_adamw`.
+
 All parameters are `Params`: LoRA tensors by name. State is a `State`: named
 `Params` groups (e.g. pFLAlign's ``{"delta", "v", "P"}``), so it checkpoints
 with `torch.save` and travels as Flower ArrayRecords unchanged. The engine
@@ -26,11 +31,12 @@ the replies themselves: its memory does not grow with the participants.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable, ClassVar
 
 import torch
 
+from ..optim import SGD, AdamW
 from ..params import Params, clone, empty_like, zeros_like  # noqa: F401  (the methods' helpers too)
 
 State = dict[str, Params]
@@ -45,8 +51,16 @@ class StepContext:
     round: int  # 0-based round index r
     step: int  # 0-based local step t
     num_steps: int  # T, local steps per round
-    lr: float  # η
+    lr: float  # η (of this round: optimizer.schedule)
     global_params: Params  # w^r, read-only
+    # the client's optimizer for this round (optimizer.name; fresh every round): `descend` steps with it
+    optimizer: SGD | AdamW = field(default_factory=SGD)
+
+    def descend(self, name: str, w: torch.Tensor, direction: torch.Tensor) -> None:
+        """One optimizer step on tensor `name` along the method's descent direction, in place:
+        w ← w − η d with SGD (bit for bit the methods' step before optimizers were a choice),
+        AdamW's step on d with adamw (pflalign.optim)."""
+        self.optimizer.descend(name, w, direction, self.lr)
 
 
 @dataclass
@@ -158,6 +172,9 @@ class Method:
     # arguments that choose only which model is evaluated, not how it trains (`pflalign rescore`
     # may change them on a finished run)
     evaluation_args: ClassVar[tuple[str, ...]] = ()
+    # why optimizer.name=adamw is not defined for the method (None: AdamW runs on the
+    # direction its `local_step` hands `ctx.descend`); docs/methods.md lists each method's
+    refuses_adamw: ClassVar[str | None] = None
 
     def __init__(self, args=None):
         self.args = args if args is not None else self.Args()
@@ -199,7 +216,7 @@ class Method:
         """
         loss, grads = grad_fn()
         for n, w in params.items():
-            w.add_(grads[n], alpha=-ctx.lr)
+            ctx.descend(n, w, grads[n])
         return loss
 
     def round_metrics(self, global_params: Params, params: Params, state: State) -> dict[str, float]:

@@ -56,7 +56,7 @@ class FedDyn(Method):
         loss, grads = grad_fn()
         alpha, lam = self.args.alpha, state["lambda"]
         for n, w in params.items():
-            w.add_(grads[n] - lam[n] + alpha * (w - ctx.global_params[n]), alpha=-ctx.lr)
+            ctx.descend(n, w, grads[n] - lam[n] + alpha * (w - ctx.global_params[n]))
         return loss
 
     def client_end(self, global_params: Params, params: Params, state: State) -> Message:

@@ -155,7 +155,7 @@ class FedGloSS(Method):
             step = grads[n]
             if self.args.admm:
                 step = step - state["sigma"][n] + (w - state["start"][n]) / self.args.beta
-            w.sub_(step, alpha=ctx.lr)
+            ctx.descend(n, w, step)
         return loss
 
     def client_end(self, global_params: Params, params: Params, state: State) -> Message:

@@ -42,5 +42,5 @@ class FedProx(Method):
         mu = self.args.mu
         for n, w in params.items():
             proximal_grad = grads[n] + mu * (w - ctx.global_params[n])
-            w.add_(proximal_grad, alpha=-ctx.lr)  # same form as FedAvg's step, so μ = 0 is bit-identical
+            ctx.descend(n, w, proximal_grad)  # FedAvg's step on ∇h_k, so μ = 0 is bit-identical
         return loss

@@ -62,5 +62,5 @@ class FedSAM(Method):
             for n, w in params.items():
                 w.copy_(start[n])  # ... and step from w itself (restored exactly, not w + ε − ε)
         for n, w in params.items():
-            w.add_(grads[n], alpha=-ctx.lr)
+            ctx.descend(n, w, grads[n])
         return loss

@@ -45,7 +45,7 @@ class FFALoRA(Method):
         loss, grads = grad_fn()
         for n, w in params.items():
             if self.trains(n):  # A is frozen
-                w.add_(grads[n], alpha=-ctx.lr)
+                ctx.descend(n, w, grads[n])
         return loss
 
     def client_end(self, global_params: Params, params: Params, state: State) -> Message:

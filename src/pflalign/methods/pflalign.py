@@ -90,6 +90,7 @@ class PFLAlign(Method):
     family = "pFLAlign"
     Args = PFLAlignArgs
     evaluation_args = ("personalized",)
+    refuses_adamw = "its preconditioner P (with m and v) is its optimizer"
 
     def init_client_state(self, global_params: Params) -> State:
         return {"delta": zeros_like(global_params), "v": zeros_like(global_params), "P": zeros_like(global_params)}

@@ -20,6 +20,11 @@ unequal |D_k| the fixed point is still the optimum of the unweighted mean
 (1/N) Σ_k f_k: there every c_k = ∇f_k(w) and c = (1/N) Σ_k c_k = 0.
 K η is accumulated as Σ_t η over the round's steps (equal to K η for a constant
 η), because `client_end` does not see the step context.
+Local optimizer: SGD only (`refuses_adamw`): option II reads the client's mean
+gradient off its SGD displacement (w^r − w_K) / (K η); after AdamW steps that
+quotient is a mean Adam update, in other units than g. OpenFedLLM runs SCAFFOLD
+with AdamW by applying the correction −η(c − c_k) outside the optimizer; that
+variant is not implemented here.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class Scaffold(Method):
     name = "scaffold"
     label = "SCAFFOLD"
     family = "Optimizer-based"
+    refuses_adamw = ("option II's control variate c_k⁺ = c_k − c + (w^r − w_K) / (K η) estimates the client's "
+                     "mean gradient only when its steps are SGD steps")
 
     # ---- client ---------------------------------------------------------------
     def init_client_state(self, global_params: Params) -> State:

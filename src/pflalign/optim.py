@@ -1,0 +1,94 @@
+"""The clients' local optimizer, the learning rate across rounds, and gradient accumulation
+(`optimizer.*` config keys; issue 42).
+
+A method's local step computes its *descent direction* d for each trained tensor (plain
+SGD's d is the minibatch gradient g; FedProx's g + μ(w − w^r); FedSAM's g at w + ε; ...)
+and hands it to the round's optimizer with `StepContext.descend`:
+
+* ``sgd`` (the paper's, the default): w ← w − η d, exactly the operation every method ran
+  before this module existed, so SGD results are bit-identical.
+* ``adamw`` (Loshchilov & Hutter, ICLR 2019; `torch.optim.AdamW`'s rule, which is what
+  OpenFedLLM and FlowerTune run through the Hugging Face Trainer), per coordinate, at the
+  t-th step of the round (t = 1, 2, ...):
+
+      w ← w − η λ w                          (decoupled weight decay λ)
+      m ← β1 m + (1 − β1) d,   v ← β2 v + (1 − β2) d²
+      w ← w − η (m / (1 − β1^t)) / (√(v / (1 − β2^t)) + ε)
+
+  Its moments live on the client for one round only: m = v = 0 and t = 0 at the start of
+  every round, as FlowerTune's and OpenFedLLM's clients build a fresh optimizer (a new
+  Trainer) in every round. Nothing of it is checkpointed or sent.
+  Defaults: β1 = 0.9, β2 = 0.999, ε = 1e-8 (torch's and the Trainer's) and λ = 0 (the
+  Trainer's `weight_decay`; torch.optim.AdamW's own default is 0.01).
+
+Learning rate of round r (0-based, of R rounds), constant through the round's T steps:
+``constant``: η_r = lr; ``cosine``: FlowerTune's `cosine_annealing` with its 1-based
+round number r + 1,
+
+    η_r = min_lr + ½ (lr − min_lr) (1 + cos(π (r + 1) / R))
+
+so the first round already runs slightly below lr and the last one at min_lr.
+
+Gradient accumulation (`optimizer.grad_accumulation` = k): a local step draws
+batch_size × k examples (the same examples as one batch of batch_size × k) and computes
+their gradient as k microbatches of batch_size, weighting each microbatch's mean-token
+gradient by its share of the step's response tokens: the sum is the gradient of the
+mean loss over all the step's response tokens, i.e. the big batch's gradient up to float
+error (tests/test_local_optim.py), with the activations of one microbatch alive at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import OPTIMIZERS, SCHEDULES
+
+
+def round_lr(lr: float, schedule: str, min_lr: float, rounds: int, round_index: int) -> float:
+    """η_r, the clients' learning rate in round `round_index` (0-based) of `rounds`."""
+    if schedule == "constant":
+        return lr  # the very float: constant runs are bit-identical to runs before the schedule
+    if schedule == "cosine":
+        return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * (round_index + 1) / rounds))
+    raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+
+
+class SGD:
+    """w ← w − η d."""
+
+    def descend(self, name: str, w: torch.Tensor, d: torch.Tensor, lr: float) -> None:
+        w.add_(d, alpha=-lr)
+
+
+class AdamW:
+    """AdamW on the method's descent direction, per tensor by name; one instance per client round."""
+
+    def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0):
+        self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
+        self.state: dict[str, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}  # name → m, v, [t]
+
+    def descend(self, name: str, w: torch.Tensor, d: torch.Tensor, lr: float) -> None:
+        if name not in self.state:
+            self.state[name] = (torch.zeros_like(w), torch.zeros_like(w), [0])
+        m, v, count = self.state[name]
+        count[0] += 1
+        t = count[0]
+        if self.weight_decay:
+            w.mul_(1 - lr * self.weight_decay)
+        m.mul_(self.beta1).add_(d, alpha=1 - self.beta1)
+        v.mul_(self.beta2).addcmul_(d, d, value=1 - self.beta2)
+        # torch.optim.AdamW's single-tensor arithmetic, so the two agree to the last bits or nearly
+        step_size = lr / (1 - self.beta1 ** t)
+        denominator = (v.sqrt() / math.sqrt(1 - self.beta2 ** t)).add_(self.eps)
+        w.addcdiv_(m, denominator, value=-step_size)
+
+
+def make_optimizer(settings) -> SGD | AdamW:
+    """A fresh optimizer for one client round, from `config.OptimizerConfig`."""
+    if settings.name == "sgd":
+        return SGD()
+    if settings.name == "adamw":
+        return AdamW(settings.beta1, settings.beta2, settings.eps, settings.weight_decay)
+    raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {settings.name!r}")
