@@ -170,8 +170,9 @@ def load_base_model(spec: str, dtype: torch.dtype = torch.float32):
     """Return (model, tokenizer) for a model spec; see the module docstring."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if spec in TINY_MODELS:
-        return _tiny_model(spec)
+    if spec in TINY_MODELS:  # initialised in float32 (the seeded weights of every dtype), then cast
+        model, tok = _tiny_model(spec)
+        return model.to(dtype), tok
     if spec in EMBEDDED_MODELS:
         spec = str(fetch_embedded_model(spec))
     path = Path(spec)
@@ -225,9 +226,15 @@ class FederatedLM:
 
     @classmethod
     def build(cls, spec: str, lora: LoraSettings, seed: int, dtype=torch.float32, device="cpu"):
+        base, tok = load_base_model(spec, dtype)
+        return cls.from_base(base, tok, lora, seed, device)
+
+    @classmethod
+    def from_base(cls, base, tok, lora: LoraSettings, seed: int, device="cpu"):
+        """Wrap a loaded transformers model (frozen in its dtype) with the seeded LoRA adapter on
+        `device`: `build`'s second half, also for a model built from a config (benchmarks/gpu.py)."""
         from peft import LoraConfig, get_peft_model
 
-        base, tok = load_base_model(spec, dtype)
         for p in base.parameters():
             p.requires_grad_(False)
         segments = use_segment_attention(base)
