@@ -275,6 +275,39 @@ class FederatedLM:
     def dtype(self) -> torch.dtype:
         return next(iter(self.lora.values())).dtype
 
+    @property
+    def base_dtype(self) -> torch.dtype:
+        """The frozen base's dtype (float32, or bfloat16/float16 with `dtype`); the adapter's is `dtype`."""
+        return self.model.get_base_model().get_input_embeddings().weight.dtype
+
+    def fast_paths(self, device: str | torch.device | None = None) -> dict[str, bool]:
+        """Which of the training kernels tuned on CPU a training step takes on `device` (default the
+        model's), by the conditions the code tests at each call; False means plain PEFT /
+        transformers there (docs/usage.md#devices-and-precision):
+
+        * packed_rows: examples without padding packed into rows (`loss_and_grads`): CPU only; a
+          GPU trains the padded batch in one call, which keeps it busy;
+        * segment_attention: per-example SDPA inside packed rows (attention.py): with packed rows
+          only; padded batches and generation run transformers' SDPA unchanged;
+        * fused_lora_mlp: the SwiGLU MLP with its LoRA projections as one autograd function
+          (lora_mlp.py): any device, when input, adapter and base share a dtype (float32 runs);
+        * mlp_recompute: that function recomputing g and u for rows over PACK_TOKENS: CPU only;
+        * fused_rms_norm: RMSNorm with its closed-form gradient (rms_norm.py): float32 only;
+        * head_loss: the frozen LM head fused with the loss in chunks (head_loss.py): any device
+          and dtype (bf16 logits are accumulated in float32).
+        """
+        kind = torch.device(device if device is not None else self.device).type
+        same_dtype = self.base_dtype == self.dtype
+        head = self.model.get_base_model().get_output_embeddings()
+        return {
+            "packed_rows": kind == "cpu",
+            "segment_attention": kind == "cpu" and self.segment_attention,
+            "fused_lora_mlp": self.fused_mlps > 0 and same_dtype,
+            "mlp_recompute": self.fused_mlps > 0 and same_dtype and kind == "cpu",
+            "fused_rms_norm": self.fused_norms > 0 and self.base_dtype == torch.float32 == self.dtype,
+            "head_loss": type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad,
+        }
+
     def get_lora(self) -> Params:
         """A detached copy of the live adapter (one flat buffer: params.empty_like)."""
         return clone(self.lora)
