@@ -87,6 +87,14 @@ MODELS_SCORED = 3  # personalized, global, base (eval.base_model=true, the defau
 TABLE1_RUNS = 33  # 11 methods x 3 seeds (sweep.py's table1-flan)
 
 
+CORRECTNESS_BUDGET_S = 240  # the tiny runs start within this; the speed section needs ~2 min
+DEADLINE = math.inf  # time.time() after which the remaining runs are skipped (--budget-s)
+
+
+def out_of_time() -> bool:
+    return time.time() > DEADLINE
+
+
 def log(msg: str) -> None:
     print(f"[gpu.py {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -98,19 +106,32 @@ def sync(device: str) -> None:
 
 def strict_fp32() -> dict:
     """TF32 off everywhere (else CUDA float32 matmuls round to 10 mantissa bits and cannot
-    match the CPU within 1e-5); returns the settings as read back."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    for backend in (torch.backends.cuda.matmul, torch.backends.cudnn):  # torch >= 2.9's spelling
+    match the CPU within 1e-5); returns the settings as read back (each guarded: torch 2.9+
+    spells them `fp32_precision`, and some releases refuse a mix of the two spellings)."""
+    readings = {}
+    for name, setter in (("matmul.allow_tf32", lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", False)),
+                         ("cudnn.allow_tf32", lambda: setattr(torch.backends.cudnn, "allow_tf32", False)),
+                         ("float32_matmul_precision", lambda: torch.set_float32_matmul_precision("highest"))):
+        try:
+            setter()
+        except Exception as exc:  # noqa: BLE001
+            readings[f"set {name}"] = f"{type(exc).__name__}: {exc}"
+    for label, backend in (("backends", torch.backends), ("matmul", torch.backends.cuda.matmul),
+                           ("cudnn", torch.backends.cudnn)):
         if hasattr(backend, "fp32_precision"):
             try:
                 backend.fp32_precision = "ieee"
-            except Exception:  # noqa: BLE001  (an older build without the setter)
-                pass
-    return {"matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-            "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
-            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+                readings[f"{label}.fp32_precision"] = backend.fp32_precision
+            except Exception as exc:  # noqa: BLE001
+                readings[f"{label}.fp32_precision"] = f"{type(exc).__name__}: {exc}"
+    for name, read in (("matmul.allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32),
+                       ("cudnn.allow_tf32", lambda: torch.backends.cudnn.allow_tf32),
+                       ("float32_matmul_precision", torch.get_float32_matmul_precision)):
+        try:
+            readings[name] = read()
+        except Exception as exc:  # noqa: BLE001
+            readings[name] = f"{type(exc).__name__}: {exc}"
+    return readings
 
 
 def section(report: dict, name: str, fn, *args) -> None:
@@ -237,18 +258,36 @@ def write_reference(methods: list[str]) -> dict:
     return figures
 
 
+def rouge_available() -> str:
+    """"yes", or why not: without rouge-score (benchmarks/gpu_wheels.sh) the runs still compare
+    losses and adapters, their ROUGE-L replaced by 0 (pflalign.client scores with it)."""
+    try:
+        import rouge_score.rouge_scorer  # noqa: F401
+        return "yes"
+    except ImportError as exc:
+        import pflalign.client
+
+        pflalign.client.rouge_l = lambda predictions, references: 0.0
+        return f"no ({exc}): ROUGE-L not computed, reported as 0"
+
+
 def correctness(device: str, methods: list[str]) -> dict:
     from safetensors.torch import load_file
 
+    own_deadline = time.time() + CORRECTNESS_BUDGET_S
+    rouge = rouge_available()
     ref = json.loads(REFERENCE.with_suffix(".json").read_text())
     ref_glob = load_file(str(REFERENCE.with_suffix(".safetensors")))
-    out: dict = {"rtol_fp32": RTOL_FP32, "rtol_bf16": RTOL_BF16, "tf32": strict_fp32(),
+    out: dict = {"rtol_fp32": RTOL_FP32, "rtol_bf16": RTOL_BF16, "tf32": strict_fp32(), "rouge_l_scored": rouge,
                  "measure": "max over train steps of |loss - cpu| / |cpu|; max over the global adapter's "
                             "tensors of ||w - w_cpu|| / ||w_cpu||"}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype, rtol in (("float32", RTOL_FP32), ("bfloat16", RTOL_BF16)):
             for method in methods:
                 log(f"correctness {method} {dtype}")
+                if out_of_time() or time.time() > own_deadline:  # leave the speed section its time
+                    out.setdefault(dtype, {})[method] = {"pass": False, "error": "skipped: time budget spent"}
+                    continue
                 try:
                     fig, glob = tiny_run(method, device, dtype, Path(tmp))
                     row = compare(fig, glob, ref[method], ref_glob, method)
@@ -389,12 +428,15 @@ def speed(device: str, tiny: bool, peak: dict | None) -> dict:
     peak_tflops = peak.get("tflops") if isinstance(peak, dict) else None
     for name in ARCHS:
         log(f"speed {name}")
+        if out_of_time():
+            out[name] = {"error": "skipped: --budget-s spent"}
+            continue
         try:
             lm, config = build_arch(name, device, tiny)
             row = {"params": count_params(lm), "fused_lora_mlps": lm.fused_mlps, "fused_rms_norms": lm.fused_norms,
                    "segment_attention": lm.segment_attention, "attn_implementation": config._attn_implementation,
-                   "base_dtype": str(next(lm.model.get_base_model().parameters()).dtype),
-                   "lora_dtype": str(lm.dtype)}
+                   "base_dtype": str(lm.base_dtype), "lora_dtype": str(lm.dtype),
+                   "fast_paths": lm.fast_paths()}
             row["train"] = time_training(lm, config, device, batch, seq, warmup, steps)
             flops = train_flops(row["params"], config, batch, seq)
             row["train"]["flops_per_step"] = flops
@@ -457,7 +499,11 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--write-reference", action="store_true",
                         help="on CPU: write benchmarks/results/gpu_reference.* from the pinned runs")
+    parser.add_argument("--budget-s", type=float, default=420,
+                        help="skip the runs not started after this many seconds (the check must end < 8 min)")
     args = parser.parse_args(argv)
+    global DEADLINE
+    DEADLINE = time.time() + args.budget_s
     os.environ.setdefault("PFLALIGN_CACHE", tempfile.mkdtemp(prefix="pflalign-gpu-"))
     methods = args.methods.split(",")
     if args.write_reference:
@@ -485,7 +531,6 @@ def main(argv=None) -> int:
     if "correctness" in sections:
         section(report, "correctness", correctness, device, methods)
     if "speed" in sections:
-        torch.backends.cuda.matmul.allow_tf32 = False  # bf16 matmuls are unaffected; kept as the check set it
         section(report, "speed", speed, device, tiny, report.get("matmul_peak"))
     if "bill" in sections:
         section(report, "bill", bill, report.get("speed", {}))
