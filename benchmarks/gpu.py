@@ -84,7 +84,8 @@ SHORT_SEQ = 256  # FLAN: prompt + response at most ~250 tokens, so its padded ba
 EVAL_BATCH, EVAL_NEW_TOKENS = 64, 128
 TEST_PROMPTS = {"flan": 4 * 200, "dolly": 214 + 178 + 151 + 119}  # docs/reproduce.md
 MODELS_SCORED = 3  # personalized, global, base (eval.base_model=true, the default)
-TABLE1_RUNS = 33  # 11 methods x 3 seeds (sweep.py's table1-flan)
+TABLE1_RUNS = 33  # 11 methods x 3 seeds (sweep.py's table1-flan and table1-dolly)
+TABLE1_GRADIENTS = 3 * (10 + 2)  # per step: FedSAM takes two gradients, the other 10 methods one
 
 
 CORRECTNESS_BUDGET_S = 240  # the tiny runs start within this; the speed section needs ~2 min
@@ -467,12 +468,13 @@ def bill(speed_rows: dict) -> dict:
     tokens for FLAN and SEQ for Dolly: upper bounds, since a GPU trains the batch padded to its
     longest example (FLAN's are at most ~250 tokens, Dolly's reach 1024). Evaluation: every test prompt x
     MODELS_SCORED models, EVAL_NEW_TOKENS tokens each at the measured generation rate (an upper
-    bound too: answers stop at EOS). Model building, data and checkpoints are left out.
+    bound too: answers stop at EOS). Table 1 (33 runs): FedSAM's steps take two gradients, and
+    the base model is scored once per sweep. Model building, data and checkpoints are left out.
     """
     out = {"assumptions": {"rounds": ROUNDS, "local_steps": LOCAL_STEPS, "clients": CLIENTS, "batch": BATCH,
                            "seq_upper_bound": {"flan": SHORT_SEQ, "dolly": SEQ}, "test_prompts": TEST_PROMPTS, "models_scored": MODELS_SCORED,
                            "new_tokens_upper_bound": EVAL_NEW_TOKENS, "table1_runs": TABLE1_RUNS,
-                           "table1_dataset": "flan"},
+                           "table1_gradient_steps_per_step_of_one_run": TABLE1_GRADIENTS},
            "doc": bill.__doc__}
     for name in ("llama-3.2-1b", "opt-1.3b"):
         row = speed_rows.get(name, {})
@@ -486,7 +488,13 @@ def bill(speed_rows: dict) -> dict:
             eval_s = prompts * MODELS_SCORED * EVAL_NEW_TOKENS / row["generate"]["tokens_per_s"]
             per[dataset] = {"train_seq": timing["seq"], "train_minutes": train_s / 60, "eval_minutes": eval_s / 60,
                             "total_minutes": (train_s + eval_s) / 60}
-        per["table1_hours"] = TABLE1_RUNS * per["flan"]["total_minutes"] / 60
+        for dataset, prompts in TEST_PROMPTS.items():
+            # every run scores its personalized and global models; the base model once per sweep
+            # (base_cache.py)
+            step = row["train_short" if dataset == "flan" and "train_short" in row else "train"]["step_seconds"]
+            train_s = TABLE1_GRADIENTS * ROUNDS * LOCAL_STEPS * CLIENTS * step
+            eval_s = (2 * TABLE1_RUNS + 1) * prompts * EVAL_NEW_TOKENS / row["generate"]["tokens_per_s"]
+            per[f"table1_{dataset}_hours"] = (train_s + eval_s) / 3600
         out[name] = per
     return out
 
