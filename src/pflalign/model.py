@@ -246,7 +246,8 @@ class FederatedLM:
             warnings.simplefilter("ignore", FutureWarning)  # PEFT calls a renamed transformers helper
             torch.manual_seed(seed)  # the LoRA A init is the only randomness in the model
             try:
-                model = get_peft_model(base, config)
+                # a bf16/fp16 base keeps a float32 adapter (PEFT's default, stated: docs/usage.md)
+                model = get_peft_model(base, config, autocast_adapter_dtype=True)
             except ValueError as exc:  # PEFT's NoMatchingPeftModuleError among them
                 raise UserError(f"lora.target_modules {lora.target_modules!r}: {_first_line(exc)}") from None
         model.to(device).eval()
