@@ -402,6 +402,27 @@ def time_training(lm, config, device: str, batch: int, seq: int, warmup: int, st
     return out
 
 
+def profile_step(lm, config, device: str, batch: int, seq: int, top: int = 15) -> dict:
+    """One training step under torch.profiler: the kernels that took the most device (or CPU)
+    time, to say what limits the step's share of the matmul peak."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, config.vocab_size, (batch, seq), generator=gen)
+    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        lm.loss_and_grads(data, unpadded=False)
+        sync(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0) or 0, reverse=True)
+    total = sum(getattr(e, key, 0) or 0 for e in events) or 1
+    return {"by": key, "total_ms": total / 1e3,
+            "top": [{"name": e.key[:120], "ms": (getattr(e, key, 0) or 0) / 1e3, "calls": e.count,
+                     "share": (getattr(e, key, 0) or 0) / total} for e in events[:top]]}
+
+
 def time_generation(lm, config, device: str, rows: int, prompt_len: int, new_tokens: int) -> dict:
     """Greedy decoding as the final evaluation runs it (`greedy_ids` with the adapter merged), no EOS:
     every row runs the full `new_tokens` (the upper bound of the evaluation's cost)."""
@@ -448,6 +469,11 @@ def speed(device: str, tiny: bool, peak: dict | None) -> dict:
             row["train_short"] = time_training(lm, config, device, batch, short, warmup, steps)
             flops = train_flops(row["params"], config, batch, short)
             row["train_short"]["tflops"] = flops["total"] / row["train_short"]["step_seconds"] / 1e12
+            if name == "llama-3.2-1b":
+                try:
+                    row["train_profile"] = profile_step(lm, config, device, batch, seq)
+                except Exception as exc:  # noqa: BLE001  (a diagnostic: its failure costs nothing else)
+                    row["train_profile"] = {"error": f"{type(exc).__name__}: {exc}"}
             row["generate"] = time_generation(lm, config, device, rows, prompt_len, new_tokens)
             del lm
         except Exception as exc:  # noqa: BLE001  (the next architecture still runs)

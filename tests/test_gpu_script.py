@@ -67,4 +67,5 @@ def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
         assert row["base_dtype"] == "torch.bfloat16" and row["lora_dtype"] == "torch.float32"
         assert row["train"]["tokens_per_s"] > 0 and row["train"]["losses_finite"]
         assert row["generate"]["tokens_per_s"] > 0 and row["generate"]["rows"] == 4
+    assert report["speed"]["llama-3.2-1b"]["train_profile"]["top"][0]["ms"] > 0
     assert report["bill"]["llama-3.2-1b"]["table1_flan_hours"] > 0
