@@ -59,7 +59,7 @@ def test_bf16_base_float32_adapter(family):
     assert math.isfinite(value) and {g.dtype for g in grads.values()} == {torch.float32}
 
 
-@pytest.mark.parametrize("method", ["pflalign", "fedavg", "scaffold"])
+@pytest.mark.parametrize("method", ["pflalign", "fedavg", "scaffold", "fedadam"])  # fedadam: FedOpt's moments
 def test_two_bf16_rounds_are_float32_state_finite_and_close_to_float32(method, tmp_path):
     run(_config(method, "float32"), tmp_path / "fp32", progress=False)
     run(_config(method, "bfloat16"), tmp_path / "bf16", progress=False)
