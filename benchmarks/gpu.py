@@ -16,17 +16,23 @@ Sections, each wrapped so that one failing records its error in the JSON and the
   and method state float32): finite, adapters still float32, within RTOL_BF16.
 * ``speed``: LLaMA-3.2-1B-Instruct, OPT-1.3B and SmolLM2-135M built from their configurations
   (written below) with random weights, bf16 base, LoRA r16 alpha32 on every linear layer through
-  `pflalign.model.FederatedLM.from_base` (the project's own LoRA path), batch 4 x 1024 tokens:
-  training step time, tokens/s, peak memory, achieved TFLOP/s (`train_flops`) and its share of
-  the measured peak; greedy generation tokens/s at the evaluation's batch (64 rows, 128 new
-  tokens, `pflalign.evaluate.greedy_ids` on the merged adapter, as the final evaluation runs).
+  `pflalign.model.FederatedLM.from_base` (the project's own LoRA path), batch 4 x 1024 and
+  4 x 256 tokens: training step time, tokens/s, peak memory, achieved TFLOP/s (`train_flops`)
+  and its share of the measured peak, one profiled step's top kernels (LLaMA); greedy
+  generation tokens/s at the evaluation's batch (64 rows, 128 new tokens,
+  `pflalign.evaluate.greedy_ids` on the merged adapter, as the final evaluation runs).
 * ``bill``: the projected device time of one FLAN and one Dolly run at the paper's protocol and
-  of the 33-run Table 1, from those figures (`bill`).
+  of each 33-run Table 1, from those figures (`bill`).
+
+``--budget-s`` (420) skips what has not started by then; the correctness runs start within
+their first 240 s. Without rouge-score the correctness runs score ROUGE-L as 0 and say so.
 
 ``--device cpu`` runs every section with tiny shapes (2-layer versions of the three
 architectures, 2 x 64 tokens, a 256^3 matmul) so that tests/test_gpu_script.py covers the script.
-Only torch, transformers, peft, safetensors and tokenizers are imported at module level of what
-runs here; the final evaluation's ROUGE-L needs rouge-score and nltk (benchmarks/gpu_wheels.sh).
+What it imports is in the GPU image (torch, transformers, peft, safetensors, tokenizers, numpy,
+tqdm, pytest for tests/test_engine.py's TINY) except the final evaluation's ROUGE-L: rouge-score,
+nltk and defusedxml, carried as wheels (benchmarks/gpu_wheels.sh; checked on CPU with gguf,
+datasets, flwr, flwr-datasets, nltk, rouge-score and mimalloc made unimportable).
 """
 
 from __future__ import annotations
