@@ -170,8 +170,9 @@ def load_base_model(spec: str, dtype: torch.dtype = torch.float32):
     """Return (model, tokenizer) for a model spec; see the module docstring."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if spec in TINY_MODELS:
-        return _tiny_model(spec)
+    if spec in TINY_MODELS:  # initialised in float32 (the seeded weights of every dtype), then cast
+        model, tok = _tiny_model(spec)
+        return model.to(dtype), tok
     if spec in EMBEDDED_MODELS:
         spec = str(fetch_embedded_model(spec))
     path = Path(spec)
@@ -225,9 +226,15 @@ class FederatedLM:
 
     @classmethod
     def build(cls, spec: str, lora: LoraSettings, seed: int, dtype=torch.float32, device="cpu"):
+        base, tok = load_base_model(spec, dtype)
+        return cls.from_base(base, tok, lora, seed, device)
+
+    @classmethod
+    def from_base(cls, base, tok, lora: LoraSettings, seed: int, device="cpu"):
+        """Wrap a loaded transformers model (frozen in its dtype) with the seeded LoRA adapter on
+        `device`: `build`'s second half, also for a model built from a config (benchmarks/gpu.py)."""
         from peft import LoraConfig, get_peft_model
 
-        base, tok = load_base_model(spec, dtype)
         for p in base.parameters():
             p.requires_grad_(False)
         segments = use_segment_attention(base)
@@ -239,7 +246,8 @@ class FederatedLM:
             warnings.simplefilter("ignore", FutureWarning)  # PEFT calls a renamed transformers helper
             torch.manual_seed(seed)  # the LoRA A init is the only randomness in the model
             try:
-                model = get_peft_model(base, config)
+                # a bf16/fp16 base keeps a float32 adapter (PEFT's default, stated: docs/usage.md)
+                model = get_peft_model(base, config, autocast_adapter_dtype=True)
             except ValueError as exc:  # PEFT's NoMatchingPeftModuleError among them
                 raise UserError(f"lora.target_modules {lora.target_modules!r}: {_first_line(exc)}") from None
         model.to(device).eval()
@@ -267,6 +275,39 @@ class FederatedLM:
     @property
     def dtype(self) -> torch.dtype:
         return next(iter(self.lora.values())).dtype
+
+    @property
+    def base_dtype(self) -> torch.dtype:
+        """The frozen base's dtype (float32, or bfloat16/float16 with `dtype`); the adapter's is `dtype`."""
+        return self.model.get_base_model().get_input_embeddings().weight.dtype
+
+    def fast_paths(self, device: str | torch.device | None = None) -> dict[str, bool]:
+        """Which of the training kernels tuned on CPU a training step takes on `device` (default the
+        model's), by the conditions the code tests at each call; False means plain PEFT /
+        transformers there (docs/usage.md#devices-and-precision):
+
+        * packed_rows: examples without padding packed into rows (`loss_and_grads`): CPU only; a
+          GPU trains the padded batch in one call, which keeps it busy;
+        * segment_attention: per-example SDPA inside packed rows (attention.py): with packed rows
+          only; padded batches and generation run transformers' SDPA unchanged;
+        * fused_lora_mlp: the SwiGLU MLP with its LoRA projections as one autograd function
+          (lora_mlp.py): any device, when input, adapter and base share a dtype (float32 runs);
+        * mlp_recompute: that function recomputing g and u for rows over PACK_TOKENS: CPU only;
+        * fused_rms_norm: RMSNorm with its closed-form gradient (rms_norm.py): float32 only;
+        * head_loss: the frozen LM head fused with the loss in chunks (head_loss.py): any device
+          and dtype (bf16 logits are accumulated in float32).
+        """
+        kind = torch.device(device if device is not None else self.device).type
+        same_dtype = self.base_dtype == self.dtype
+        head = self.model.get_base_model().get_output_embeddings()
+        return {
+            "packed_rows": kind == "cpu",
+            "segment_attention": kind == "cpu" and self.segment_attention,
+            "fused_lora_mlp": self.fused_mlps > 0 and same_dtype,
+            "mlp_recompute": self.fused_mlps > 0 and same_dtype and kind == "cpu",
+            "fused_rms_norm": self.fused_norms > 0 and self.base_dtype == torch.float32 == self.dtype,
+            "head_loss": type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad,
+        }
 
     def get_lora(self) -> Params:
         """A detached copy of the live adapter (one flat buffer: params.empty_like)."""

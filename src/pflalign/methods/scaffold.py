@@ -49,7 +49,8 @@ class Scaffold(Method):
     def client_start(self, global_params: Params, state: State, received: Message) -> Params:
         # Round scratch, removed by client_end: the server's c and Σ_t η.
         state["server_c"] = clone(received["c"])
-        state["scratch"] = {"lr_sum": torch.zeros((), dtype=torch.float64)}
+        # on the adapter's device: no CPU tensor (and host op per step) in a CUDA run
+        state["scratch"] = {"lr_sum": torch.zeros((), dtype=torch.float64, device=next(iter(global_params.values())).device)}
         return clone(global_params)
 
     @torch.no_grad()

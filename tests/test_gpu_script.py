@@ -1,0 +1,71 @@
+"""benchmarks/gpu.py (issue 39's device check) on CPU with tiny shapes: every section runs and
+writes what the GPU run will write; its FLOP count and bill are checked by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_flops_by_hand(gpu):
+    params = {"base_linear": 10, "lora": 2, "head": 3}
+    config = types.SimpleNamespace(hidden_size=4, num_hidden_layers=2)
+    flops = gpu.train_flops(params, config, batch=1, seq=5)
+    # per token: 4*10 (frozen: forward + input gradient) + 6*2 (LoRA: + weight gradient)
+    # + 4*3 (frozen head) + 6*L*T*H = 6*2*5*4 (causal attention, forward + backward)
+    assert flops["total"] == 5 * (40 + 12 + 12 + 240)
+
+
+def test_bill_by_hand(gpu):
+    row = {"train": {"seq": 1024, "step_seconds": 0.5}, "train_short": {"seq": 256, "step_seconds": 0.2},
+           "generate": {"tokens_per_s": 1000.0}}
+    out = gpu.bill({"llama-3.2-1b": row, "opt-1.3b": row})
+    flan, dolly = out["llama-3.2-1b"]["flan"], out["llama-3.2-1b"]["dolly"]
+    assert flan["train_minutes"] == pytest.approx(50 * 5 * 4 * 0.2 / 60)
+    assert dolly["train_minutes"] == pytest.approx(50 * 5 * 4 * 0.5 / 60)
+    assert flan["eval_minutes"] == pytest.approx(800 * 3 * 128 / 1000 / 60)
+    assert dolly["eval_minutes"] == pytest.approx(662 * 3 * 128 / 1000 / 60)
+    # Table 1: 3 seeds x (10 methods + FedSAM's two gradients) x 1000 steps; 33 x 2 models + the base once
+    assert out["llama-3.2-1b"]["table1_flan_hours"] == pytest.approx(
+        (3 * 12 * 1000 * 0.2 + 67 * 800 * 128 / 1000) / 3600)
+    assert out["llama-3.2-1b"]["table1_dolly_hours"] == pytest.approx(
+        (3 * 12 * 1000 * 0.5 + 67 * 662 * 128 / 1000) / 3600)
+
+
+def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
+    monkeypatch.setenv("PFLALIGN_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--device", "cpu", "--out", str(out), "--methods", "fedavg"]) == 0
+    report = json.loads(out.read_text())
+    for name in ("matmul_peak", "correctness", "speed", "bill"):
+        assert "error" not in report[name], report[name]
+    assert report["matmul_peak"]["tflops"] > 0
+    fp32, bf16 = report["correctness"]["float32"]["fedavg"], report["correctness"]["bfloat16"]["fedavg"]
+    # the same host as the reference: float32 bit for bit
+    assert fp32["pass"] and fp32["max_rel_diff_loss"] == 0 and fp32["max_rel_diff_global_adapter"] == 0
+    # bfloat16 really ran in bfloat16 (not equal to float32), close, and the adapter stayed float32
+    assert bf16["pass"] and 0 < bf16["max_rel_diff_global_adapter"] <= gpu.RTOL_BF16
+    assert bf16["adapter_and_server_state_dtypes"] == ["torch.float32"]
+    assert bf16["client_state_dtypes"] == ["torch.float32"]
+    for name in gpu.ARCHS:
+        row = report["speed"][name]
+        assert "error" not in row, row
+        assert row["base_dtype"] == "torch.bfloat16" and row["lora_dtype"] == "torch.float32"
+        assert row["train"]["tokens_per_s"] > 0 and row["train"]["losses_finite"]
+        assert row["generate"]["tokens_per_s"] > 0 and row["generate"]["rows"] == 4
+    assert report["speed"]["llama-3.2-1b"]["train_profile"]["top"][0]["ms"] > 0
+    assert report["bill"]["llama-3.2-1b"]["table1_flan_hours"] > 0

@@ -1,0 +1,98 @@
+"""Mixed precision (issue 39): with dtype=bfloat16 the frozen base is stored in bf16, while the
+LoRA adapter, every method's state, the aggregation and the loss stay float32 (PEFT's
+autocast_adapter_dtype, as TRL and FlowerTune runs do). Tiny models only: bf16 is slow on CPU."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from pflalign import checkpoint as ckpt
+from pflalign.config import build_config
+from pflalign.engine import run
+from pflalign.export import ADAPTERS
+from pflalign.model import FederatedLM, LoraSettings
+
+from test_engine import TINY
+
+# bf16 keeps 8 mantissa bits: the tiny runs' train losses move by ~1e-4 relative and the final
+# adapters by ~1e-2 (measured 2026-11-26); these bounds leave room and still catch a run that
+# went another way (different data order or update rule: losses differ by > 10%)
+LOSS_RTOL, ADAPTER_RTOL = 2e-3, 5e-2
+
+
+def _config(method: str, dtype: str):
+    return build_config(None, {**json.loads(json.dumps(TINY)), "method": method, "dtype": dtype})
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _losses(out) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / ckpt.METRICS).read_text().splitlines()
+            if json.loads(line).get("event") == "train_step"]
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-opt"])
+def test_bf16_base_float32_adapter(family):
+    lm = FederatedLM.build(family, LoraSettings(r=4, alpha=8), seed=0, dtype=torch.bfloat16)
+    base = lm.model.get_base_model()
+    frozen = {p.dtype for p in base.parameters() if not p.requires_grad}
+    assert frozen == {torch.bfloat16}
+    assert {p.dtype for p in lm.lora.values()} == {torch.float32} and lm.dtype == torch.float32
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10]]), "attention_mask": torch.ones(1, 6, dtype=torch.long),
+             "labels": torch.tensor([[-100, -100, -100, 8, 9, 10]])}
+    loss = lm.loss(**batch)
+    assert loss.dtype == torch.float32 and math.isfinite(loss.item())
+    value, grads = lm.loss_and_grads(batch)
+    assert math.isfinite(value) and {g.dtype for g in grads.values()} == {torch.float32}
+
+
+@pytest.mark.parametrize("method", ["pflalign", "fedavg", "scaffold", "fedadam"])  # fedadam: FedOpt's moments
+def test_two_bf16_rounds_are_float32_state_finite_and_close_to_float32(method, tmp_path):
+    run(_config(method, "float32"), tmp_path / "fp32", progress=False)
+    run(_config(method, "bfloat16"), tmp_path / "bf16", progress=False)
+    saved = ckpt.load_checkpoint(tmp_path / "bf16" / ckpt.CHECKPOINT)
+    reference = ckpt.load_checkpoint(tmp_path / "fp32" / ckpt.CHECKPOINT)
+    # the global adapter, the server's state and every client's state and personalized adapter
+    from pflalign.client_store import client_records
+    clients = client_records(tmp_path / "bf16", saved)
+    held = list(_tensors(saved["global"])) + list(_tensors(saved["server_state"])) + list(_tensors(clients))
+    floats = {t.dtype for t in held if t.is_floating_point()}
+    assert floats <= {torch.float32, torch.float64} and torch.float32 in floats
+    assert all(bool(torch.isfinite(t).all()) for t in held if t.is_floating_point())
+    got, want = _losses(tmp_path / "bf16"), _losses(tmp_path / "fp32")
+    assert len(got) == len(want) == 8 and all(math.isfinite(x) for x in got)
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < LOSS_RTOL
+    assert got != want  # the base really ran in bf16
+    for n, w in reference["global"].items():
+        assert float((saved["global"][n] - w).norm() / w.norm()) < ADAPTER_RTOL, n
+
+
+def test_bf16_run_exports_float32_adapters_that_peft_loads(tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from pflalign.model import load_base_model
+
+    run(_config("fedavg", "bfloat16"), tmp_path / "run", progress=False)
+    folder = tmp_path / "run" / ADAPTERS / "global"
+    assert {t.dtype for t in load_file(str(folder / "adapter_model.safetensors")).values()} == {torch.float32}
+    base, _ = load_base_model("tiny-llama", torch.bfloat16)
+    model = PeftModel.from_pretrained(base, str(folder))
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert lora and {p.dtype for p in lora.values()} == {torch.float32}  # PEFT's autocast_adapter_dtype
+    saved = ckpt.load_checkpoint(tmp_path / "run" / ckpt.CHECKPOINT)["global"]
+    for n, w in saved.items():
+        assert torch.equal(lora[n], w), n
