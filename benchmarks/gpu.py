@@ -380,7 +380,11 @@ def train_flops(params: dict, config, batch: int, seq: int) -> dict:
             "formula": "tokens*(4*N_base_linear + 6*N_lora + 4*V*H + 6*L*T*H)"}
 
 
-def time_training(lm, config, device: str, batch: int, seq: int, warmup: int, steps: int) -> dict:
+def time_training(lm, config, device: str, batch: int, seq: int, warmup: int, steps: int,
+                  autocast: bool = False) -> dict:
+    """`autocast`: an experiment, not the library's path: the step under torch.autocast(bfloat16),
+    so that the float32 adapters' matmuls run on bf16 tensor cores (their float32 copies stay the
+    master weights), as the HF Trainer's bf16=True does."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, config.vocab_size, (batch, seq), generator=gen)
     data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
@@ -391,7 +395,8 @@ def time_training(lm, config, device: str, batch: int, seq: int, warmup: int, st
     for i in range(warmup + steps):
         sync(device)
         t = time.perf_counter()
-        loss, grads = lm.loss_and_grads(data, unpadded=False)  # the padded batch, as on a GPU
+        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
+            loss, grads = lm.loss_and_grads(data, unpadded=False)  # the padded batch, as on a GPU
         with torch.no_grad():  # plain SGD, as FedAvg's client (its cost: a few adapter-sized ops)
             for n, p in lm.lora.items():
                 p.sub_(grads[n], alpha=1e-4)
@@ -468,6 +473,7 @@ def speed(device: str, tiny: bool, peak: dict | None) -> dict:
             row["train"] = time_training(lm, config, device, batch, seq, warmup, steps)
             flops = train_flops(row["params"], config, batch, seq)
             row["train"]["flops_per_step"] = flops
+            flops_full = flops["total"]
             row["train"]["tflops"] = flops["total"] / row["train"]["step_seconds"] / 1e12
             if peak_tflops:
                 row["train"]["share_of_matmul_peak"] = row["train"]["tflops"] / peak_tflops
@@ -476,6 +482,21 @@ def speed(device: str, tiny: bool, peak: dict | None) -> dict:
             flops = train_flops(row["params"], config, batch, short)
             row["train_short"]["tflops"] = flops["total"] / row["train_short"]["step_seconds"] / 1e12
             if name == "llama-3.2-1b":
+                try:  # what autocast would gain (an experiment: the library trains without it)
+                    gen = torch.Generator().manual_seed(0)
+                    ids = torch.randint(3, config.vocab_size, (batch, seq), generator=gen)
+                    one = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+                    plain = lm.loss_and_grads(one, unpadded=False)[0]
+                    with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16):
+                        cast = lm.loss_and_grads(one, unpadded=False)[0]
+                    row["train_autocast"] = time_training(lm, config, device, batch, seq, warmup, steps,
+                                                          autocast=True)
+                    row["train_autocast"]["loss_rel_diff_vs_plain"] = abs(cast - plain) / abs(plain)
+                    row["train_autocast"]["tflops"] = flops_full / row["train_autocast"]["step_seconds"] / 1e12
+                    if peak_tflops:
+                        row["train_autocast"]["share_of_matmul_peak"] = row["train_autocast"]["tflops"] / peak_tflops
+                except Exception as exc:  # noqa: BLE001
+                    row["train_autocast"] = {"error": f"{type(exc).__name__}: {exc}"}
                 try:
                     row["train_profile"] = profile_step(lm, config, device, batch, seq)
                 except Exception as exc:  # noqa: BLE001  (a diagnostic: its failure costs nothing else)
