@@ -85,6 +85,11 @@ def gamma_erf(m: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, eps: float)
 
 
 class PFLAlign(Method):
+    """pFLAlign (Kim & Lee, 2026), Algorithm 1: P-preconditioned steps from w^r + Δ_k with an erf-gated pull −γΔ_k/T; its step is at most 0.29× SGD's at β 0.8 and 0.09× at the default β 0.9 (P's cap), so short runs want β ≤ 0.8 or a larger lr (docs/results/pflalign-analysis).
+
+    The update rule, the variants and the measurements are in the module's docstring.
+    """
+
     name = "pflalign"
     label = "pFLAlign"
     family = "pFLAlign"
