@@ -30,6 +30,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
     (["--set", "lora.alpha=Infinity"], "lora.alpha must be a finite number"),
     (["--set", "max_seq_len=100000"], "max_seq_len=100000 exceeds the model's 2048 positions"),
     (["--stop-after-rounds", "-1"], "--stop-after-rounds must be >= 1, got -1"),
+    (["--set", "dtype=float16"], "dtype=float16 on the CPU"),  # issue 41: was accepted, and ignored by tiny models
 ])
 def test_bad_value_is_one_line_exit_2_nothing_written(capsys, tmp_path, extra, needle):
     err = _error(capsys, ["run", *TINY_SET, *extra, "--out", str(tmp_path / "run")])
