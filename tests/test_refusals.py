@@ -160,6 +160,28 @@ def test_sweep_and_report_on_damaged_results(capsys, finished_sweep, tmp_path, d
     assert "no finished runs" in err and needle in err
 
 
+def test_sweep_dry_run_says_the_sweep_stops_on_damaged_results_here_and_under_done(capsys, finished_sweep,
+                                                                                    tmp_path):
+    """Issue 41, item 4: --dry-run listed a run with a truncated results.json as finished."""
+    root = tmp_path / "sweep"
+    shutil.copytree(finished_sweep, root)
+    run = root / "out" / "synth" / "fedavg" / "seed0"
+    assert main(["sweep", "--config", str(root / "sweep.toml"), "--out", str(root / "out"), "--dry-run"]) == 0
+    assert "finished" in capsys.readouterr().out  # intact: skipped, with its score
+    kept = tmp_path / "kept" / "synth" / "fedavg" / "seed0"  # the same run as a --done copy
+    shutil.copytree(run, kept)
+    for results, args in [(run / ckpt.RESULTS, ["--out", str(root / "out")]),
+                          (kept / ckpt.RESULTS, ["--out", str(tmp_path / "fresh"), "--done", str(tmp_path / "kept")])]:
+        results.write_text(results.read_text()[:40])  # truncated
+        assert main(["sweep", "--config", str(root / "sweep.toml"), *args, "--dry-run"]) == 2
+        printed = capsys.readouterr()
+        err = printed.err.strip()
+        assert len(err.splitlines()) == 1 and "synth/fedavg/seed0" in printed.out and " damaged " in printed.out
+        assert "the sweep would run 0 runs, then stop at synth/fedavg/seed0" in err and "not valid JSON" in err, err
+        assert ("--overwrite" in err) if "--done" not in args else ("under --done" in err)
+    assert not (tmp_path / "fresh").exists()
+
+
 def test_report_on_a_half_finished_sweep_lists_the_unfinished_runs(capsys, finished_sweep, stopped_run, tmp_path):
     root = tmp_path / "sweep"
     shutil.copytree(finished_sweep, root)
