@@ -32,7 +32,8 @@ from .lifecycle import Recorder, RoundRecord, client_row, eval_clients, results_
 from .methods.base import Method, Params, RoundContext, clone, data_weights
 from .model import build_model, resolve_device
 from .partition import client_shares_described
-from .workers import ClientSide, Inline, Processes, ScoreJob, TrainJob, check_workers, personalized_adapter
+from .workers import (ClientSide, Inline, Processes, ScoreJob, TrainJob, bound_workers, check_workers,
+                      personalized_adapter)
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,10 @@ class Federation:
         check_workers(workers, resolve_device(cfg.device))
         self.cfg = cfg
         self.progress = progress
-        self.workers = workers
         self._runner: Inline | Processes | None = None
         shares, self.data_info = client_shares_described(cfg)
+        self.workers = bound_workers(workers, len(sample_clients(len(shares), cfg.participation, cfg.seed, 0)),
+                                     len(eval_clients(len(shares), cfg.eval.clients, cfg.seed)))
         self.lm = build_model(cfg)
         self.lm.check_max_seq_len(cfg.max_seq_len)
         self.method: Method = make_method(cfg)
