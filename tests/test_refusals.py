@@ -108,6 +108,43 @@ def test_a_file_size_limit_while_saving_names_the_file_and_keeps_the_checkpoint(
     assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 0  # with room again it finishes
 
 
+# ---- issue 41, item 7: out of memory ----------------------------------------------------------
+@pytest.mark.parametrize("where", ["training", "scoring"])
+def test_out_of_memory_is_one_line_naming_the_sizes_and_the_checkpoint_resumes(capsys, tmp_path, monkeypatch, where):
+    import torch
+
+    from pflalign import workers
+
+    args = ["run", *TINY_SET, "--set", "rounds=2", "--no-progress", "--out"]
+    if where == "training":  # CUDA's allocator in client 0's second round (round index 1)
+        local_round = workers.local_round
+
+        def step(*a, **k):
+            if a[7] == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return local_round(*a, **k)
+
+        monkeypatch.setattr(workers, "local_round", step)
+        needle, kept = ("out of memory training client 0 (arithmetic) with batch_size=2, max_seq_len=64, model "
+                        "tiny-llama: lower batch_size or max_seq_len"), 1
+    else:  # a CPU MemoryError in the final evaluation
+        def score(*a, **k):
+            raise MemoryError()
+
+        monkeypatch.setattr(workers, "score_client", score)
+        needle, kept = ("out of memory scoring client 0's personalized model with eval.batch_size=", 2)
+    out = tmp_path / "run"
+    err = _error(capsys, [*args, str(out)])
+    assert needle in err and "model tiny-llama" in err, err
+    assert f"the checkpoint after round {kept} is kept: free memory and continue with --resume" in err, err
+    assert not (out / ckpt.RESULTS).exists()
+    monkeypatch.undo()
+    assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert main([*args, str(tmp_path / "uninterrupted")]) == 0
+    resumed, ref = (ckpt.load_run_checkpoint(d)["global"] for d in (out, tmp_path / "uninterrupted"))
+    assert all(torch.equal(resumed[n], ref[n]) for n in ref)
+
+
 # ---- sweep and report on damaged results ----------------------------------------------------
 SWEEP = """
 methods = ["fedavg"]

@@ -26,7 +26,7 @@ from .client import Client, draw_batches, make_client
 from .client_store import ClientStore
 from .config import RunConfig, make_method, to_dict
 from .data_cache import client_data
-from .errors import RunInterrupted, TrainingDiverged, UserError
+from .errors import OutOfMemory, RunInterrupted, TrainingDiverged, UserError
 from .evaluate import add_exact_match
 from .lifecycle import Recorder, RoundRecord, client_row, eval_clients, results_summary, sample_clients
 from .methods.base import Method, Params, RoundContext, clone, data_weights
@@ -336,6 +336,12 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         rec.rollback()  # the diverged round leaves no lines
         kept = f"; the checkpoint after round {rec.saved[0]} is kept" if rec.saved[0] else ""
         raise TrainingDiverged(f"{exc}{kept}") from None
+    except OutOfMemory as exc:
+        rec.rollback()  # as for a diverged round: the directory is as after the last checkpoint
+        kept = (f"; the checkpoint after round {rec.saved[0]} is kept: free memory and continue with --resume, or "
+                "start again with lower values and --overwrite" if rec.saved[0]
+                else "; no round is saved yet: start again with lower values")
+        raise OutOfMemory(f"{exc}{kept}") from None
     finally:
         fed.close()
         rec.close()

@@ -46,7 +46,7 @@ from . import allocator
 from .client import ClientRound, local_round, score_client
 from .client_store import ClientRecord, ClientStore
 from .data import Example
-from .errors import TrainingDiverged, UserError
+from .errors import OutOfMemory, TrainingDiverged, UserError
 from .methods.base import Method, Params
 
 log = logging.getLogger(__name__)
@@ -143,9 +143,23 @@ def run_score_job(side: ClientSide, job: ScoreJob, shared: dict, progress: bool 
 
 
 def _run(side: ClientSide, job, shared: dict, progress: bool = False, on_step=None):
+    try:
+        if isinstance(job, TrainJob):
+            return run_train_job(side, job, shared, on_step)
+        return run_score_job(side, job, shared, progress)
+    except (torch.OutOfMemoryError, MemoryError):  # a GPU's, or this process's (also in a worker)
+        raise OutOfMemory(out_of_memory(side.cfg, job)) from None
+
+
+def out_of_memory(cfg, job) -> str:
+    """What ran out of memory, with the settings that size it and what to lower."""
     if isinstance(job, TrainJob):
-        return run_train_job(side, job, shared, on_step)
-    return run_score_job(side, job, shared, progress)
+        return (f"out of memory training client {job.k} ({job.record.name}) with batch_size={cfg.batch_size}, "
+                f"max_seq_len={cfg.max_seq_len}, model {cfg.model}: lower batch_size or max_seq_len, or use a "
+                "smaller model")
+    return (f"out of memory scoring client {job.k}'s {job.model} model with eval.batch_size={cfg.eval.batch_size}, "
+            f"max_seq_len={cfg.max_seq_len}, eval.max_new_tokens={cfg.eval.max_new_tokens}, model {cfg.model}: "
+            "lower eval.batch_size (or max_seq_len), or use a smaller model")
 
 
 # ---- the runners ----------------------------------------------------------------
