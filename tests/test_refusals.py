@@ -1,6 +1,7 @@
 """Issue 20: inputs and faults that ended in a traceback (or were accepted silently) now end in
 one line on stderr and exit status 2, before anything is written or loaded for long."""
 
+import errno
 import json
 import os
 import resource
@@ -13,6 +14,7 @@ import pytest
 
 from pflalign import checkpoint as ckpt
 from pflalign.cli import main
+from pflalign.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTERS
 
 from test_cli import TINY_SET, _error
 
@@ -108,7 +110,34 @@ def test_a_file_size_limit_while_saving_names_the_file_and_keeps_the_checkpoint(
     assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 0  # with room again it finishes
 
 
-# ---- issue 41, item 7: out of memory ----------------------------------------------------------
+# ---- issue 41, items 2 and 7: a full disk at the final adapters, out of memory ----------------
+@pytest.mark.parametrize("failing", [ADAPTER_CONFIG, ADAPTER_WEIGHTS])
+def test_a_full_disk_while_the_final_adapters_are_written_is_one_line_and_resumes(capsys, tmp_path, monkeypatch,
+                                                                                 failing):
+    from peft import LoraConfig
+
+    def no_room(*_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a failed write() raises it: no file name
+
+    if failing == ADAPTER_CONFIG:
+        monkeypatch.setattr(LoraConfig, "save_pretrained", no_room)
+    else:
+        write_bytes = Path.write_bytes
+        monkeypatch.setattr(Path, "write_bytes", lambda self, data: no_room() if self.name == failing
+                            else write_bytes(self, data))
+    out = tmp_path / "run"
+    err = _error(capsys, ["run", *TINY_SET, "--out", str(out), "--no-progress"])
+    assert err.startswith(f"pflalign: error: cannot write {out / ADAPTERS / 'global' / failing}: No space left on "
+                          "device; "), err
+    assert "the checkpoint after round 1 is intact; free some space, then continue with --resume" in err, err
+    assert not (out / ckpt.RESULTS).exists() and not (out / ADAPTERS).exists()
+    assert [p.name for p in out.iterdir() if p.name.startswith(".adapters")] == []  # no half-written folder
+    monkeypatch.undo()
+    assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert sorted(p.name for p in (out / ADAPTERS).iterdir()) == ["arithmetic", "global", "uppercase"]
+    assert all((out / ADAPTERS / name / ADAPTER_WEIGHTS).is_file() for name in ("arithmetic", "global", "uppercase"))
+
+
 @pytest.mark.parametrize("where", ["training", "scoring"])
 def test_out_of_memory_is_one_line_naming_the_sizes_and_the_checkpoint_resumes(capsys, tmp_path, monkeypatch, where):
     import torch
@@ -267,3 +296,17 @@ def test_report_into_a_file_is_refused(capsys, finished_sweep, tmp_path):
     (tmp_path / "afile").write_text("mine")
     err = _error(capsys, ["report", str(finished_sweep / "out"), "--out", str(tmp_path / "afile")])
     assert "is a file, not a folder" in err and (tmp_path / "afile").read_text() == "mine"
+
+
+def test_safetensors_full_disk_text_becomes_the_disk_full_line(tmp_path):
+    """safetensors' writer (a merged model's weights) reports a full disk as text, not an OSError."""
+    from pflalign.export import _replace_folder
+
+    def write(tmp):
+        tmp.mkdir()
+        (tmp / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.raises(ckpt.DiskFull, match=f"cannot write {tmp_path / 'm'}: No space left on device"):
+        _replace_folder(tmp_path / "m", write)
+    assert list(tmp_path.iterdir()) == []

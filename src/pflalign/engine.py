@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import allocator, export, run_dir, tensorboard
+from . import allocator, checkpoint as ckpt, export, run_dir, tensorboard
 from .client import Client, draw_batches, make_client
 from .client_store import ClientStore
 from .config import RunConfig, make_method, to_dict
@@ -324,7 +324,11 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         results, predictions = fed.evaluate()
         add_exact_match(results, predictions)  # beside ROUGE-L, from the same outputs
         # the models as evaluated, as PEFT adapter folders (export.py), before results.json marks the run finished
-        export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated())
+        try:
+            export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated())
+        except ckpt.DiskFull as exc:  # the checkpoint is whole: a resume scores the clients again and writes them
+            raise ckpt.DiskFull(f"{exc}; the checkpoint after round {rec.saved[0]} is intact; free some space, "
+                                "then continue with --resume (same --out)") from None
         # memory_allocator: "mimalloc" under the pflalign command (allocator.py); the processes and
         # threads that computed it (the thread count decides the floating-point sums' last bits)
         return rec.finish(results, train_seconds, time.perf_counter() - tic, predictions,

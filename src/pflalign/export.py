@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -91,7 +92,7 @@ def base_location(spec: str) -> str:
 def write_adapter(folder: Path, params: dict, lora, model_spec: str, info: dict | None = None) -> Path:
     """Write `params` (our LoRA tensors by live name) as a PEFT adapter folder."""
     from peft import LoraConfig
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -99,11 +100,25 @@ def write_adapter(folder: Path, params: dict, lora, model_spec: str, info: dict 
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target_modules(params),
         bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_location(model_spec),
     )
-    config.save_pretrained(str(folder))
+    with _naming(folder / ADAPTER_CONFIG):
+        config.save_pretrained(str(folder))
     tensors = {peft_key(n): t.detach().to("cpu", copy=True).contiguous() for n, t in params.items()}
-    save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (folder / INFO).write_text(json.dumps({"model": model_spec, **(info or {})}, indent=2) + "\n")
+    with _naming(folder / ADAPTER_WEIGHTS):  # safetensors' own writer reports a full disk as text only
+        (folder / ADAPTER_WEIGHTS).write_bytes(save(tensors, metadata={"format": "pt"}))
+    with _naming(folder / INFO):
+        (folder / INFO).write_text(json.dumps({"model": model_spec, **(info or {})}, indent=2) + "\n")
     return folder
+
+
+@contextmanager
+def _naming(path: Path):
+    """An OSError raised while `path` is written names it (a failed write() names no file)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise
 
 
 def read_adapter(folder: Path) -> dict[str, torch.Tensor]:
@@ -163,24 +178,47 @@ class _RunAdapters(Mapping):
             self.method.personalized_after_aggregation(self.global_params, personal, saved["state"])
 
 
+def _replace_folder(folder: Path, write) -> Path:
+    """`write(tmp)` fills a hidden folder beside `folder`, which then takes its place: an
+    interruption (Ctrl-C, a crash, a full disk) leaves the old folder or the new one, never a
+    half-written one that looks complete. A full disk is a `DiskFull` naming the file."""
+    from . import checkpoint as ckpt
+
+    folder = Path(folder)
+    tmp, old = folder.with_name(f".{folder.name}.tmp"), folder.with_name(f".{folder.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed writer
+    try:
+        write(tmp)
+        shutil.rmtree(old, ignore_errors=True)
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in ckpt.NO_ROOM:  # named by its place, not the temporary's
+            name = str(exc.filename).replace(str(tmp), str(folder), 1) if exc.filename else folder
+            raise ckpt.DiskFull(f"cannot write {name}: {exc.strerror or exc}") from None
+        room = re.search(r"\((?:os error|errno) (\d+)\)", str(exc), re.I)  # safetensors' writer (a merged model)
+        if room and int(room.group(1)) in ckpt.NO_ROOM:
+            raise ckpt.DiskFull(f"cannot write {folder}: {os.strerror(int(room.group(1)))}") from None
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
 def write_adapters(folder: Path, cfg, adapters: dict[str, dict], info: dict | None = None) -> dict[str, Path]:
     """Each of `adapters` ({name: params}, "global" among them) as ``folder/<name>/``, replacing
     what was there: written beside it first, so a crash leaves the old folder or the new one."""
     folder = Path(folder)
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     written, subs = {}, folder_names(adapters)
-    for name, params in adapters.items():
-        sub = subs[name]
-        extra = {"client": None if name == GLOBAL else name, **(info or {})}
-        write_adapter(tmp / sub, params, cfg.lora, cfg.model, extra)
-        written[name] = folder / sub
-    old = folder.with_name(f".{folder.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if folder.exists():
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
+
+    def write(tmp: Path) -> None:
+        for name, params in adapters.items():
+            extra = {"client": None if name == GLOBAL else name, **(info or {})}
+            write_adapter(tmp / subs[name], params, cfg.lora, cfg.model, extra)
+            written[name] = folder / subs[name]
+
+    _replace_folder(folder, write)
     return written
 
 
