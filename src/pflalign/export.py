@@ -298,9 +298,22 @@ def write_base_copy(model_spec: str, folder: Path) -> Path:
     return folder
 
 
+def is_export_folder(folder: Path) -> bool:
+    """A folder ``pflalign export`` may write into: one holding only folders that pflalign wrote
+    (each with its ``pflalign.json``: an earlier export, a run's ``adapters/``) and hidden leftovers."""
+    return all((p / INFO).is_file() for p in Path(folder).iterdir() if not p.name.startswith("."))
+
+
 def export_run(run_dir: Path, out: Path, client: str | None = None, merged: bool = False) -> dict[str, Path]:
     """`pflalign export`: the run's adapters (or merged models) under `out`: ``global/`` and one
-    folder per client (only `client` when given). Returns {name: folder}."""
+    folder per client (only `client` when given). Returns {name: folder}. `out` must be new,
+    empty or hold only earlier exports (as ``pflalign run`` refuses a foreign ``--out``); each
+    folder is written beside its place and renamed into it (`_replace_folder`)."""
+    from .run_dir import check_out
+
+    out = Path(out)
+    check_out(out, "--out", ours=is_export_folder, kind="a folder of pflalign exports (adapter or model "
+                                                        "folders with their pflalign.json)")
     cfg, payload, names = load_run(run_dir)
     if client is not None and client not in names:
         raise UserError(f"no client {client!r} in {run_dir}; clients: {', '.join(names)}")
@@ -312,24 +325,21 @@ def export_run(run_dir: Path, out: Path, client: str | None = None, merged: bool
         adapters = {client: adapters[client]}  # only its file is read
     info = {"method": cfg.method, "dataset": cfg.data.name, "seed": cfg.seed,
             "rounds": cfg.rounds, "rounds_done": payload["rounds_done"], "run": str(Path(run_dir).resolve())}
-    out = Path(out)
-    if not merged:
-        out.mkdir(parents=True, exist_ok=True)
-        written, subs = {}, folder_names(adapters)
-        for name, params in adapters.items():
-            sub = subs[name]
-            written[name] = write_adapter(out / sub, params, cfg.lora, cfg.model,
-                                          {"client": None if name == GLOBAL else name, **info})
-        return written
-    import tempfile
-
+    out.mkdir(parents=True, exist_ok=True)
     written, subs = {}, folder_names(adapters)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, params in adapters.items():
-            sub = subs[name]
-            adapter = write_adapter(Path(tmp) / sub, params, cfg.lora, cfg.model)
-            written[name] = write_merged(out / sub, cfg.model, adapter, getattr(torch, cfg.dtype))
-            (out / sub / INFO).write_text(json.dumps(
-                {"model": cfg.model, "client": None if name == GLOBAL else name, "merged": True, **info},
-                indent=2) + "\n")
+    for name, params in adapters.items():
+        meta = {"client": None if name == GLOBAL else name, **info}
+        if not merged:
+            written[name] = _replace_folder(out / subs[name], lambda tmp: write_adapter(
+                tmp, params, cfg.lora, cfg.model, meta))
+            continue
+
+        def write(tmp: Path) -> None:  # the adapter in tmp/adapter first, then the model folded with it
+            adapter = write_adapter(tmp / ".adapter", params, cfg.lora, cfg.model)
+            write_merged(tmp, cfg.model, adapter, getattr(torch, cfg.dtype))
+            shutil.rmtree(adapter)
+            (tmp / INFO).write_text(json.dumps({"model": cfg.model, "client": meta["client"], "merged": True, **info},
+                                                  indent=2) + "\n")
+
+        written[name] = _replace_folder(out / subs[name], write)
     return written
