@@ -1,6 +1,8 @@
 """A ClientApp for tests/test_flower.py only: pflalign's ClientApp, except that the client
 with partition-id 1 corrupts its training update, one attack per round (0-based r):
-0 wrong shapes, 1 a NaN, 2 a missing tensor, 3 the update (w_k − w^r) 1e6 times too large.
+0 wrong shapes, 1 a NaN, 2 a missing tensor, 3 the update (w_k − w^r) 1e6 times too large,
+4 an honest update that claims 10^12 training examples (its aggregation weight); and its
+evaluation reply claims 10^9.
 
 The test copies this file into a Flower app folder whose pyproject.toml names
 ``malicious_client:app`` as the ClientApp (the ServerApp stays pflalign's)."""
@@ -38,14 +40,20 @@ def query(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     reply = client_app.train(msg, context)
-    if int(context.node_config["partition-id"]) == MALICIOUS:
+    r = int(msg.content["config"]["round"])
+    if int(context.node_config["partition-id"]) == MALICIOUS and r >= 4:
+        reply.content["metrics"]["n_train"] = 10**12
+    elif int(context.node_config["partition-id"]) == MALICIOUS:
         key = wire.MESSAGE + "params"
         params = wire.from_record(reply.content[key], None)  # a well-formed record of corrupt tensors
         global_params = wire.from_record(msg.content[wire.GLOBAL], None)
-        reply.content[key] = wire.to_record(corrupt(params, global_params, int(msg.content["config"]["round"])))
+        reply.content[key] = wire.to_record(corrupt(params, global_params, r))
     return reply
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    return client_app.evaluate(msg, context)
+    reply = client_app.evaluate(msg, context)
+    if int(context.node_config["partition-id"]) == MALICIOUS:
+        reply.content["metrics"]["n_train"] = 10**9
+    return reply

@@ -218,3 +218,53 @@ def test_exact_match_beside_rouge_l_and_report_metric(tmp_path_factory, tmp_path
         sum(r["exact_match_personalized"] for r in results["clients"]) / 2)
     assert main(["report", str(out), "--out", str(tmp_path / "em"), "--metric", "exact_match"]) == 0
     assert "Personalized exact match" in (tmp_path / "em" / "report.md").read_text()
+
+
+# ---- issue 41, item 6: a foreign --out; an interrupted merged export ----------------------------
+def test_export_refuses_a_folder_with_other_files_and_writes_again_over_its_own(tmp_path_factory, tmp_path, capsys):
+    """As `pflalign run` refuses a foreign --out: export wrote into any folder."""
+    from pflalign.cli import main
+
+    out = _finished("fedsa-lora", tmp_path_factory)
+    foreign = tmp_path / "model"  # e.g. a Hugging Face model folder
+    foreign.mkdir()
+    (foreign / "config.json").write_text("{}")
+    (foreign / "global").mkdir()  # even a folder named like ours, without its pflalign.json
+    capsys.readouterr()
+    for target, needle in [(foreign, "is a folder with other files in it, not a folder of pflalign exports"),
+                           (foreign / "config.json", "is a file, not a folder")]:
+        assert main(["export", str(out), "--out", str(target)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
+    assert sorted(p.name for p in foreign.iterdir()) == ["config.json", "global"]
+    assert list((foreign / "global").iterdir()) == []
+    # its own exports: written again (the same adapters), and one client added to them
+    assert main(["export", str(out), "--out", str(tmp_path / "mine"), "--client", "sorting"]) == 0
+    assert main(["export", str(out), "--out", str(tmp_path / "mine")]) == 0
+    assert main(["export", str(out), "--out", str(tmp_path / "mine")]) == 0
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["arithmetic", "global", "sorting"]
+    a, b = read_adapter(out / ADAPTERS / "sorting"), read_adapter(tmp_path / "mine" / "sorting")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_an_interrupted_merged_export_leaves_no_folder_that_looks_complete(tmp_path_factory, tmp_path,
+                                                                           monkeypatch):
+    from transformers import PreTrainedTokenizerBase
+
+    out = _finished("fedsa-lora", tmp_path_factory)
+    target = tmp_path / "merged"
+    export_run(out, target, client="arithmetic", merged=True)
+    before = {p.name: p.read_bytes() for p in (target / "arithmetic").iterdir()}
+
+    def interrupted(*args, **kwargs):  # Ctrl-C once the model's weights are written, before its tokenizer
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", interrupted)
+    for client in ("sorting", "arithmetic"):  # a new folder, and one replacing a complete export
+        with pytest.raises(KeyboardInterrupt):
+            export_run(out, target, client=client, merged=True)
+    assert [p.name for p in target.iterdir()] == ["arithmetic"]  # no sorting/, no hidden leftover
+    assert {p.name: p.read_bytes() for p in (target / "arithmetic").iterdir()} == before  # the old one, whole
+    monkeypatch.undo()
+    export_run(out, target, client="sorting", merged=True)
+    assert (target / "sorting" / "pflalign.json").is_file() and (target / "sorting" / "model.safetensors").is_file()

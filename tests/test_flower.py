@@ -445,9 +445,11 @@ def test_simulation_engine_matches_in_process(tmp_path, reference):
 
 
 def test_a_malicious_client_is_rejected_and_the_honest_result_unaffected(tmp_path):
-    """Client 1 runs tests/malicious_client.py: it sends wrong shapes, a NaN, a missing tensor and
-    (with max-update-norm on) an update 1e6 times too large, one per round. The server rejects
-    each, naming the SuperNode, and the run ends as FedAvg over client 0 alone."""
+    """Client 1 runs tests/malicious_client.py: it sends wrong shapes, a NaN, a missing tensor,
+    (with max-update-norm on) an update 1e6 times too large and an honest update claiming 10^12
+    examples (max-size-ratio, on by default), one per round. The server rejects each, naming the
+    SuperNode, and the run ends as FedAvg over client 0 alone; client 1's evaluation reply,
+    claiming 10^9 examples, is left out."""
     app = tmp_path / "maliciousapp"  # a Flower app: pflalign's ServerApp, the malicious ClientApp
     app.mkdir()
     (app / "malicious_client.py").write_text((REPO / "tests" / "malicious_client.py").read_text())
@@ -457,7 +459,7 @@ def test_a_malicious_client_is_rejected_and_the_honest_result_unaffected(tmp_pat
         assert old in pyproject
         pyproject = pyproject.replace(old, new)
     (app / "pyproject.toml").write_text(pyproject)
-    over = {"rounds": 4, "eval": {**TINY["eval"], "base_model": False}}
+    over = {"rounds": 5, "eval": {**TINY["eval"], "base_model": False}}
     cluster = make_cluster(tmp_path, simulation=True, app=app)
     try:
         cluster.start_link()
@@ -470,19 +472,25 @@ def test_a_malicious_client_is_rejected_and_the_honest_result_unaffected(tmp_pat
         cluster.close()
     check_closed(cluster)
     for r, reason in enumerate([r"params/\S+ has shape \(3, \d+\), expected \(4, \d+\)", r"params/\S+ holds NaN or Inf",
-                                r"group 'params': missing '\S+'", r"update norm \S+ exceeds max-update-norm=10"]):
+                                r"group 'params': missing '\S+'", r"update norm \S+ exceeds max-update-norm=10",
+                                r"metric 'n_train' is 1000000000000, more than max-size-ratio=10 x the round's median "
+                                r"declared n_train \(\d+\)"]):
         assert re.search(rf"round {r + 1}: rejected the update of client 1 \(sorting\) from SuperNode \d+: {reason}",
                          output), reason
     rounds = [json.loads(line) for line in (out / ckpt.METRICS).read_text().splitlines()]
-    assert [(m["clients"], m["rejected"]) for m in rounds if m["event"] == "round"] == [([0], [1])] * 4
+    assert [(m["clients"], m["rejected"]) for m in rounds if m["event"] == "round"] == [([0], [1])] * 5
     results = json.loads((out / ckpt.RESULTS).read_text())
-    assert results["flower"]["rounds_done"] == {"0": 4}
+    assert results["flower"]["rounds_done"] == {"0": 5}
+    assert [c["id"] for c in results["clients"]] == [0]
+    [missing] = results["flower"]["missing_clients"]
+    assert missing["id"] == 1 and "evaluation rejected: metric 'n_train' is 1000000000" in missing["reason"] \
+        and "max-size-ratio=10" in missing["reason"], missing
     # the honest client's result is FedAvg over itself alone, as if client 1 did not exist
     run_in_process(build_config(None, {**tiny("fedavg"), **over, "data": {**TINY["data"], "clients": ["arithmetic"]}}),
                    tmp_path / "alone", progress=False)
     alone = _with_clients(tmp_path / "alone")
     assert_close(ckpt.load_checkpoint(out / ckpt.CHECKPOINT)["global"], alone["global"], "global adapter")
-    assert_close(personalized(clients, results, 0, 4), alone["clients"][0]["personalized"], "client 0 personalized")
+    assert_close(personalized(clients, results, 0, 5), alone["clients"][0]["personalized"], "client 0 personalized")
 
 
 def test_simulation_engine_runs_the_local_optimizer_as_in_process(tmp_path, reference):

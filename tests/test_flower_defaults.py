@@ -151,3 +151,59 @@ def test_rejected_clients_do_not_count_toward_min_clients(tiny_llama, w0, monkey
     with pytest.raises(RoundFailed, match="2 valid updates, fewer than min-clients=3.*all zeros"):
         strategy.aggregate_train(1, [])
     assert all(torch.equal(before[n], t) for n, t in strategy.global_params.items())  # nothing aggregated
+
+
+# ---- issue 41, item 1: a client that lies about its size ------------------------------------------
+def test_size_bound_is_the_ratio_times_the_lower_median():
+    assert validate.lower_median([5, 1, 3]) == 3 and validate.lower_median([4, 10**12]) == 4
+    assert validate.lower_median([1, 2, 3, 4]) == 2
+    sizes = {0: 4, 1: 40, 2: 41, 3: 5}  # lower median 5: the bound is 50 at ratio 10, 25 at ratio 5
+    assert validate.oversized(sizes, 10.0) == {}
+    assert set(validate.oversized(sizes, 5.0)) == {1, 2}
+    assert "max-size-ratio=5 x the round's median declared n_train (5)" in validate.oversized(sizes, 5.0)[1]
+    assert validate.oversized({0: 4, 1: 10**12}, 0.0) == {}  # 0: off
+    assert list(validate.oversized({0: 4, 1: 10**12}, 10.0)) == [1]  # two clients: the smaller one sets the bound
+
+
+def test_a_client_declaring_a_huge_first_n_train_is_rejected_and_gets_no_weight(tiny_llama, w0, monkeypatch,
+                                                                                caplog):
+    assert wire.RUN_DEFAULTS["max-size-ratio"] == 10  # on by default
+    _, honest = honest_round(tiny_llama, w0, "fedavg")
+    good = honest.message
+    other = {"params": {n: t + 1e-3 for n, t in good["params"].items()}}
+    strategy = _strategy(tiny_llama, w0)
+    # client 1's first reply in the run: a well-formed update that claims 10^12 examples
+    replies = {0: _reply(good), 1: _reply(other, n_train=10**12), 2: _reply(good)}
+    monkeypatch.setattr(strategy, "_match", lambda _: (replies, {}))
+    with caplog.at_level("WARNING", logger="flwr.pflalign"):
+        outcome = strategy.collect_train(1, [])
+    assert list(outcome.rejected) == [1] and "max-size-ratio=10" in outcome.rejected[1]
+    assert outcome.record.clients == [0, 2] and outcome.record.weights == [0.5, 0.5]
+    assert any("rejected the update of client 1" in r.message and "max-size-ratio" in r.message
+               for r in caplog.records)
+    assert all(torch.equal(t, good["params"][n]) for n, t in strategy.global_params.items())  # client 1 has no weight
+    assert 1 not in strategy.n_train  # its claim is not remembered as its size
+
+
+def test_an_evaluation_reply_with_inflated_counts_is_left_out(tiny_llama, w0, monkeypatch):
+    strategy = _strategy(tiny_llama, w0)
+    strategy.n_train = {0: 4, 1: 4, 2: 4}  # what they declared in training
+
+    def reply(n_train=4, n_test=2):
+        metrics = MetricRecord({"n_train": n_train, "n_test": n_test, "truncated": 0, "rouge_l_personalized": 10.0,
+                                "rouge_l_global": 9.0})
+        return SimpleNamespace(content=RecordDict({"metrics": metrics, "info": ConfigRecord({"task": "x"})}),
+                               metadata=SimpleNamespace(src_node_id=77))
+
+    for replies, bad, needle in [
+        ({0: reply(), 1: reply(n_train=10**9), 2: reply()}, 1, "more than the 4 the client declared in training"),
+        ({0: reply(), 1: reply(), 2: reply(n_test=10**9)}, 2, "max-size-ratio=10 x the round's median declared n_test"),
+    ]:
+        monkeypatch.setattr(strategy, "_match", lambda _, replies=replies: (replies, {}))
+        outcome = strategy.collect_evaluate(2, [])
+        assert sorted(outcome.scores) == sorted({0, 1, 2} - {bad}) and list(outcome.missing) == [bad]
+        assert needle in outcome.missing[bad], outcome.missing[bad]
+    strategy.n_train = {}  # a client the server has no training size of: held against the others'
+    monkeypatch.setattr(strategy, "_match", lambda _: ({0: reply(), 1: reply(n_train=10**9), 2: reply()}, {}))
+    outcome = strategy.collect_evaluate(2, [])
+    assert list(outcome.missing) == [1] and "median declared n_train" in outcome.missing[1]

@@ -1,6 +1,7 @@
 """Issue 20: inputs and faults that ended in a traceback (or were accepted silently) now end in
 one line on stderr and exit status 2, before anything is written or loaded for long."""
 
+import errno
 import json
 import os
 import resource
@@ -13,6 +14,7 @@ import pytest
 
 from pflalign import checkpoint as ckpt
 from pflalign.cli import main
+from pflalign.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTERS
 
 from test_cli import TINY_SET, _error
 
@@ -30,6 +32,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
     (["--set", "lora.alpha=Infinity"], "lora.alpha must be a finite number"),
     (["--set", "max_seq_len=100000"], "max_seq_len=100000 exceeds the model's 2048 positions"),
     (["--stop-after-rounds", "-1"], "--stop-after-rounds must be >= 1, got -1"),
+    (["--set", "dtype=float16"], "dtype=float16 on the CPU"),  # issue 41: was accepted, and ignored by tiny models
 ])
 def test_bad_value_is_one_line_exit_2_nothing_written(capsys, tmp_path, extra, needle):
     err = _error(capsys, ["run", *TINY_SET, *extra, "--out", str(tmp_path / "run")])
@@ -107,6 +110,70 @@ def test_a_file_size_limit_while_saving_names_the_file_and_keeps_the_checkpoint(
     assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 0  # with room again it finishes
 
 
+# ---- issue 41, items 2 and 7: a full disk at the final adapters, out of memory ----------------
+@pytest.mark.parametrize("failing", [ADAPTER_CONFIG, ADAPTER_WEIGHTS])
+def test_a_full_disk_while_the_final_adapters_are_written_is_one_line_and_resumes(capsys, tmp_path, monkeypatch,
+                                                                                 failing):
+    from peft import LoraConfig
+
+    def no_room(*_):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a failed write() raises it: no file name
+
+    if failing == ADAPTER_CONFIG:
+        monkeypatch.setattr(LoraConfig, "save_pretrained", no_room)
+    else:
+        write_bytes = Path.write_bytes
+        monkeypatch.setattr(Path, "write_bytes", lambda self, data: no_room() if self.name == failing
+                            else write_bytes(self, data))
+    out = tmp_path / "run"
+    err = _error(capsys, ["run", *TINY_SET, "--out", str(out), "--no-progress"])
+    assert err.startswith(f"pflalign: error: cannot write {out / ADAPTERS / 'global' / failing}: No space left on "
+                          "device; "), err
+    assert "the checkpoint after round 1 is intact; free some space, then continue with --resume" in err, err
+    assert not (out / ckpt.RESULTS).exists() and not (out / ADAPTERS).exists()
+    assert [p.name for p in out.iterdir() if p.name.startswith(".adapters")] == []  # no half-written folder
+    monkeypatch.undo()
+    assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert sorted(p.name for p in (out / ADAPTERS).iterdir()) == ["arithmetic", "global", "uppercase"]
+    assert all((out / ADAPTERS / name / ADAPTER_WEIGHTS).is_file() for name in ("arithmetic", "global", "uppercase"))
+
+
+@pytest.mark.parametrize("where", ["training", "scoring"])
+def test_out_of_memory_is_one_line_naming_the_sizes_and_the_checkpoint_resumes(capsys, tmp_path, monkeypatch, where):
+    import torch
+
+    from pflalign import workers
+
+    args = ["run", *TINY_SET, "--set", "rounds=2", "--no-progress", "--out"]
+    if where == "training":  # CUDA's allocator in client 0's second round (round index 1)
+        local_round = workers.local_round
+
+        def step(*a, **k):
+            if a[7] == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return local_round(*a, **k)
+
+        monkeypatch.setattr(workers, "local_round", step)
+        needle, kept = ("out of memory training client 0 (arithmetic) with batch_size=2, max_seq_len=64, model "
+                        "tiny-llama: lower batch_size or max_seq_len"), 1
+    else:  # a CPU MemoryError in the final evaluation
+        def score(*a, **k):
+            raise MemoryError()
+
+        monkeypatch.setattr(workers, "score_client", score)
+        needle, kept = ("out of memory scoring client 0's personalized model with eval.batch_size=", 2)
+    out = tmp_path / "run"
+    err = _error(capsys, [*args, str(out)])
+    assert needle in err and "model tiny-llama" in err, err
+    assert f"the checkpoint after round {kept} is kept: free memory and continue with --resume" in err, err
+    assert not (out / ckpt.RESULTS).exists()
+    monkeypatch.undo()
+    assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert main([*args, str(tmp_path / "uninterrupted")]) == 0
+    resumed, ref = (ckpt.load_run_checkpoint(d)["global"] for d in (out, tmp_path / "uninterrupted"))
+    assert all(torch.equal(resumed[n], ref[n]) for n in ref)
+
+
 # ---- sweep and report on damaged results ----------------------------------------------------
 SWEEP = """
 methods = ["fedavg"]
@@ -159,6 +226,28 @@ def test_sweep_and_report_on_damaged_results(capsys, finished_sweep, tmp_path, d
     assert "no finished runs" in err and needle in err
 
 
+def test_sweep_dry_run_says_the_sweep_stops_on_damaged_results_here_and_under_done(capsys, finished_sweep,
+                                                                                    tmp_path):
+    """Issue 41, item 4: --dry-run listed a run with a truncated results.json as finished."""
+    root = tmp_path / "sweep"
+    shutil.copytree(finished_sweep, root)
+    run = root / "out" / "synth" / "fedavg" / "seed0"
+    assert main(["sweep", "--config", str(root / "sweep.toml"), "--out", str(root / "out"), "--dry-run"]) == 0
+    assert "finished" in capsys.readouterr().out  # intact: skipped, with its score
+    kept = tmp_path / "kept" / "synth" / "fedavg" / "seed0"  # the same run as a --done copy
+    shutil.copytree(run, kept)
+    for results, args in [(run / ckpt.RESULTS, ["--out", str(root / "out")]),
+                          (kept / ckpt.RESULTS, ["--out", str(tmp_path / "fresh"), "--done", str(tmp_path / "kept")])]:
+        results.write_text(results.read_text()[:40])  # truncated
+        assert main(["sweep", "--config", str(root / "sweep.toml"), *args, "--dry-run"]) == 2
+        printed = capsys.readouterr()
+        err = printed.err.strip()
+        assert len(err.splitlines()) == 1 and "synth/fedavg/seed0" in printed.out and " damaged " in printed.out
+        assert "the sweep would run 0 runs, then stop at synth/fedavg/seed0" in err and "not valid JSON" in err, err
+        assert ("--overwrite" in err) if "--done" not in args else ("under --done" in err)
+    assert not (tmp_path / "fresh").exists()
+
+
 def test_report_on_a_half_finished_sweep_lists_the_unfinished_runs(capsys, finished_sweep, stopped_run, tmp_path):
     root = tmp_path / "sweep"
     shutil.copytree(finished_sweep, root)
@@ -207,3 +296,17 @@ def test_report_into_a_file_is_refused(capsys, finished_sweep, tmp_path):
     (tmp_path / "afile").write_text("mine")
     err = _error(capsys, ["report", str(finished_sweep / "out"), "--out", str(tmp_path / "afile")])
     assert "is a file, not a folder" in err and (tmp_path / "afile").read_text() == "mine"
+
+
+def test_safetensors_full_disk_text_becomes_the_disk_full_line(tmp_path):
+    """safetensors' writer (a merged model's weights) reports a full disk as text, not an OSError."""
+    from pflalign.export import _replace_folder
+
+    def write(tmp):
+        tmp.mkdir()
+        (tmp / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.raises(ckpt.DiskFull, match=f"cannot write {tmp_path / 'm'}: No space left on device"):
+        _replace_folder(tmp_path / "m", write)
+    assert list(tmp_path.iterdir()) == []

@@ -200,3 +200,73 @@ def test_processes_import_this_package(tmp_path):
         assert Path(pflalign.__file__).resolve().parents[1].as_posix() in pool.env["PYTHONPATH"].split(os.pathsep)[0]
     finally:
         pool.close()
+
+
+# ---- issue 41, item 5: --workers 99 for a few clients; workers outliving a killed engine ----------
+def test_workers_are_bounded_by_the_clients_and_the_cores(tmp_path, monkeypatch, caplog):
+    from pflalign.workers import bound_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert bound_workers(99, 4, 4) == 4 and bound_workers(3, 4, 4) == 3
+    assert bound_workers(99, 2, 5) == 5  # the final scoring may use more than a round
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    with caplog.at_level("WARNING", logger="pflalign.workers"):
+        assert bound_workers(99, 4, 4) == 2
+    assert "--workers 99 lowered to 2: a round trains 4 clients, 4 are scored at the end, and this machine has " \
+           "2 cores" in caplog.text
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    fed = Federation(config("fedavg"), progress=False, out=tmp_path, workers=99)  # three clients
+    try:
+        assert fed.workers == 3
+    finally:
+        fed.close()
+
+
+ORPHAN_PARENT = r"""
+import json, subprocess, sys, time
+from pflalign.config import build_config
+from pflalign.model import build_model
+from pflalign.workers import Processes
+cfg = json.loads(sys.argv[1])
+pool = Processes(2, cfg, sys.argv[2], [], build_model(build_config(None, cfg)).get_lora())
+# the engine's ends of the pipes held open elsewhere: as when a worker is mid-job and does not read
+keeper = subprocess.Popen(["sleep", "300"], pass_fds=[c.writer.fileno() for c in pool.conns])
+print(json.dumps({"workers": [p.pid for p in pool.procs], "keeper": keeper.pid}), flush=True)
+time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # a zombie has ended
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_die_with_an_engine_killed_by_sigkill(tmp_path):
+    """Before: a worker busy (or blocked) when the engine was killed never saw its pipe close and
+    lived on (95 of 99 did). Now the kernel kills it with its parent (prctl PR_SET_PDEATHSIG)."""
+    import signal
+    import time
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN_PARENT, json.dumps(THREE), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    pids = json.loads(parent.stdout.readline())
+    try:
+        assert all(_alive(p) for p in pids["workers"])
+        time.sleep(2)
+        parent.kill()  # kill -9
+        parent.wait()
+        deadline = time.monotonic() + 60
+        while any(_alive(p) for p in pids["workers"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(_alive(p) for p in pids["workers"])
+    finally:
+        for pid in [*pids["workers"], pids["keeper"]]:  # only what this test started
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        parent.stdout.close()

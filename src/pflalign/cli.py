@@ -66,7 +66,7 @@ def cmd_run(args) -> int:
 
 def cmd_sweep(args) -> int:
     from .config import parse_set
-    from .sweep import plan_sweep, run_sweep
+    from .sweep import dry_run, plan_sweep, run_sweep
 
     seeds = None
     if args.seeds is not None:
@@ -79,9 +79,11 @@ def cmd_sweep(args) -> int:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     runs = plan_sweep(args.config, Path(args.out), parse_set(args.set or []), args.data_dir, seeds,
                       done=args.done or [], methods=methods)
-    if args.dry_run:
-        for r in runs:
-            print(f"{r.key:<40} {r.state():<10} {r.out}")
+    if args.dry_run:  # what the sweep will do with each run, read as it reads them
+        lines, stop = dry_run(runs)
+        print("\n".join(lines))
+        if stop is not None:
+            raise stop
         return 0
     from .run_dir import RunLock
 
@@ -175,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seeds", metavar="S,S,...", help="replace the sweep's seeds, e.g. 0,1")
     sweep.add_argument("--methods", metavar="M,M,...",
                        help="run only these of the sweep's methods (their runs' configs unchanged), e.g. local,pflalign")
-    sweep.add_argument("--dry-run", action="store_true", help="list the runs and their state, run nothing")
+    sweep.add_argument("--dry-run", action="store_true", help="list the runs, their state and what the sweep will do with each; run nothing")
     sweep.add_argument("--done", action="append", metavar="DIR",
                        help="a folder of finished runs in the sweep's layout kept elsewhere (e.g. committed "
                             "results): a run found there with the same config is skipped (repeatable)")

@@ -21,18 +21,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import allocator, export, run_dir, tensorboard
+from . import allocator, checkpoint as ckpt, export, run_dir, tensorboard
 from .client import Client, draw_batches, make_client
 from .client_store import ClientStore
 from .config import RunConfig, make_method, to_dict
 from .data_cache import client_data
-from .errors import RunInterrupted, TrainingDiverged, UserError
+from .errors import OutOfMemory, RunInterrupted, TrainingDiverged, UserError
 from .evaluate import add_exact_match
 from .lifecycle import Recorder, RoundRecord, client_row, eval_clients, results_summary, sample_clients
 from .methods.base import Method, Params, RoundContext, clone, data_weights
 from .model import build_model, resolve_device
 from .partition import client_shares_described
-from .workers import ClientSide, Inline, Processes, ScoreJob, TrainJob, check_workers, personalized_adapter
+from .workers import (ClientSide, Inline, Processes, ScoreJob, TrainJob, bound_workers, check_workers,
+                      personalized_adapter)
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,10 @@ class Federation:
         check_workers(workers, resolve_device(cfg.device))
         self.cfg = cfg
         self.progress = progress
-        self.workers = workers
         self._runner: Inline | Processes | None = None
         shares, self.data_info = client_shares_described(cfg)
+        self.workers = bound_workers(workers, len(sample_clients(len(shares), cfg.participation, cfg.seed, 0)),
+                                     len(eval_clients(len(shares), cfg.eval.clients, cfg.seed)))
         self.lm = build_model(cfg)
         self.lm.check_max_seq_len(cfg.max_seq_len)
         self.method: Method = make_method(cfg)
@@ -323,7 +325,11 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         results, predictions = fed.evaluate()
         add_exact_match(results, predictions)  # beside ROUGE-L, from the same outputs
         # the models as evaluated, as PEFT adapter folders (export.py), before results.json marks the run finished
-        export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated())
+        try:
+            export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated())
+        except ckpt.DiskFull as exc:  # the checkpoint is whole: a resume scores the clients again and writes them
+            raise ckpt.DiskFull(f"{exc}; the checkpoint after round {rec.saved[0]} is intact; free some space, "
+                                "then continue with --resume (same --out)") from None
         # memory_allocator: "mimalloc" under the pflalign command (allocator.py); the processes and
         # threads that computed it (the thread count decides the floating-point sums' last bits)
         return rec.finish(results, train_seconds, time.perf_counter() - tic, predictions,
@@ -335,6 +341,12 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         rec.rollback()  # the diverged round leaves no lines
         kept = f"; the checkpoint after round {rec.saved[0]} is kept" if rec.saved[0] else ""
         raise TrainingDiverged(f"{exc}{kept}") from None
+    except OutOfMemory as exc:
+        rec.rollback()  # as for a diverged round: the directory is as after the last checkpoint
+        kept = (f"; the checkpoint after round {rec.saved[0]} is kept: free memory and continue with --resume, or "
+                "start again with lower values and --overwrite" if rec.saved[0]
+                else "; no round is saved yet: start again with lower values")
+        raise OutOfMemory(f"{exc}{kept}") from None
     finally:
         fed.close()
         rec.close()

@@ -13,5 +13,10 @@ class TrainingDiverged(UserError):
     """A NaN or Inf appeared in a loss, a gradient, the weights or an update: usually a too large learning rate."""
 
 
+class OutOfMemory(UserError):
+    """A client's training or scoring ran out of memory (CUDA's allocator, or a CPU MemoryError);
+    the message names the settings that set its size and what to lower."""
+
+
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C during a run, caught once the run directory is consistent; the message says how to resume."""

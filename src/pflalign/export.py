@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -91,7 +92,7 @@ def base_location(spec: str) -> str:
 def write_adapter(folder: Path, params: dict, lora, model_spec: str, info: dict | None = None) -> Path:
     """Write `params` (our LoRA tensors by live name) as a PEFT adapter folder."""
     from peft import LoraConfig
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -99,11 +100,25 @@ def write_adapter(folder: Path, params: dict, lora, model_spec: str, info: dict 
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target_modules(params),
         bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_location(model_spec),
     )
-    config.save_pretrained(str(folder))
+    with _naming(folder / ADAPTER_CONFIG):
+        config.save_pretrained(str(folder))
     tensors = {peft_key(n): t.detach().to("cpu", copy=True).contiguous() for n, t in params.items()}
-    save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (folder / INFO).write_text(json.dumps({"model": model_spec, **(info or {})}, indent=2) + "\n")
+    with _naming(folder / ADAPTER_WEIGHTS):  # safetensors' own writer reports a full disk as text only
+        (folder / ADAPTER_WEIGHTS).write_bytes(save(tensors, metadata={"format": "pt"}))
+    with _naming(folder / INFO):
+        (folder / INFO).write_text(json.dumps({"model": model_spec, **(info or {})}, indent=2) + "\n")
     return folder
+
+
+@contextmanager
+def _naming(path: Path):
+    """An OSError raised while `path` is written names it (a failed write() names no file)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise
 
 
 def read_adapter(folder: Path) -> dict[str, torch.Tensor]:
@@ -163,24 +178,47 @@ class _RunAdapters(Mapping):
             self.method.personalized_after_aggregation(self.global_params, personal, saved["state"])
 
 
+def _replace_folder(folder: Path, write) -> Path:
+    """`write(tmp)` fills a hidden folder beside `folder`, which then takes its place: an
+    interruption (Ctrl-C, a crash, a full disk) leaves the old folder or the new one, never a
+    half-written one that looks complete. A full disk is a `DiskFull` naming the file."""
+    from . import checkpoint as ckpt
+
+    folder = Path(folder)
+    tmp, old = folder.with_name(f".{folder.name}.tmp"), folder.with_name(f".{folder.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed writer
+    try:
+        write(tmp)
+        shutil.rmtree(old, ignore_errors=True)
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in ckpt.NO_ROOM:  # named by its place, not the temporary's
+            name = str(exc.filename).replace(str(tmp), str(folder), 1) if exc.filename else folder
+            raise ckpt.DiskFull(f"cannot write {name}: {exc.strerror or exc}") from None
+        room = re.search(r"\((?:os error|errno) (\d+)\)", str(exc), re.I)  # safetensors' writer (a merged model)
+        if room and int(room.group(1)) in ckpt.NO_ROOM:
+            raise ckpt.DiskFull(f"cannot write {folder}: {os.strerror(int(room.group(1)))}") from None
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
 def write_adapters(folder: Path, cfg, adapters: dict[str, dict], info: dict | None = None) -> dict[str, Path]:
     """Each of `adapters` ({name: params}, "global" among them) as ``folder/<name>/``, replacing
     what was there: written beside it first, so a crash leaves the old folder or the new one."""
     folder = Path(folder)
-    tmp = folder.with_name(f".{folder.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     written, subs = {}, folder_names(adapters)
-    for name, params in adapters.items():
-        sub = subs[name]
-        extra = {"client": None if name == GLOBAL else name, **(info or {})}
-        write_adapter(tmp / sub, params, cfg.lora, cfg.model, extra)
-        written[name] = folder / sub
-    old = folder.with_name(f".{folder.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if folder.exists():
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
+
+    def write(tmp: Path) -> None:
+        for name, params in adapters.items():
+            extra = {"client": None if name == GLOBAL else name, **(info or {})}
+            write_adapter(tmp / subs[name], params, cfg.lora, cfg.model, extra)
+            written[name] = folder / subs[name]
+
+    _replace_folder(folder, write)
     return written
 
 
@@ -260,9 +298,22 @@ def write_base_copy(model_spec: str, folder: Path) -> Path:
     return folder
 
 
+def is_export_folder(folder: Path) -> bool:
+    """A folder ``pflalign export`` may write into: one holding only folders that pflalign wrote
+    (each with its ``pflalign.json``: an earlier export, a run's ``adapters/``) and hidden leftovers."""
+    return all((p / INFO).is_file() for p in Path(folder).iterdir() if not p.name.startswith("."))
+
+
 def export_run(run_dir: Path, out: Path, client: str | None = None, merged: bool = False) -> dict[str, Path]:
     """`pflalign export`: the run's adapters (or merged models) under `out`: ``global/`` and one
-    folder per client (only `client` when given). Returns {name: folder}."""
+    folder per client (only `client` when given). Returns {name: folder}. `out` must be new,
+    empty or hold only earlier exports (as ``pflalign run`` refuses a foreign ``--out``); each
+    folder is written beside its place and renamed into it (`_replace_folder`)."""
+    from .run_dir import check_out
+
+    out = Path(out)
+    check_out(out, "--out", ours=is_export_folder, kind="a folder of pflalign exports (adapter or model "
+                                                        "folders with their pflalign.json)")
     cfg, payload, names = load_run(run_dir)
     if client is not None and client not in names:
         raise UserError(f"no client {client!r} in {run_dir}; clients: {', '.join(names)}")
@@ -274,24 +325,21 @@ def export_run(run_dir: Path, out: Path, client: str | None = None, merged: bool
         adapters = {client: adapters[client]}  # only its file is read
     info = {"method": cfg.method, "dataset": cfg.data.name, "seed": cfg.seed,
             "rounds": cfg.rounds, "rounds_done": payload["rounds_done"], "run": str(Path(run_dir).resolve())}
-    out = Path(out)
-    if not merged:
-        out.mkdir(parents=True, exist_ok=True)
-        written, subs = {}, folder_names(adapters)
-        for name, params in adapters.items():
-            sub = subs[name]
-            written[name] = write_adapter(out / sub, params, cfg.lora, cfg.model,
-                                          {"client": None if name == GLOBAL else name, **info})
-        return written
-    import tempfile
-
+    out.mkdir(parents=True, exist_ok=True)
     written, subs = {}, folder_names(adapters)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, params in adapters.items():
-            sub = subs[name]
-            adapter = write_adapter(Path(tmp) / sub, params, cfg.lora, cfg.model)
-            written[name] = write_merged(out / sub, cfg.model, adapter, getattr(torch, cfg.dtype))
-            (out / sub / INFO).write_text(json.dumps(
-                {"model": cfg.model, "client": None if name == GLOBAL else name, "merged": True, **info},
-                indent=2) + "\n")
+    for name, params in adapters.items():
+        meta = {"client": None if name == GLOBAL else name, **info}
+        if not merged:
+            written[name] = _replace_folder(out / subs[name], lambda tmp: write_adapter(
+                tmp, params, cfg.lora, cfg.model, meta))
+            continue
+
+        def write(tmp: Path) -> None:  # the adapter in tmp/adapter first, then the model folded with it
+            adapter = write_adapter(tmp / ".adapter", params, cfg.lora, cfg.model)
+            write_merged(tmp, cfg.model, adapter, getattr(torch, cfg.dtype))
+            shutil.rmtree(adapter)
+            (tmp / INFO).write_text(json.dumps({"model": cfg.model, "client": meta["client"], "merged": True, **info},
+                                                  indent=2) + "\n")
+
+        written[name] = _replace_folder(out / subs[name], write)
     return written

@@ -73,10 +73,21 @@ def resolve_device(name: str) -> str:
 
 
 def build_model(cfg, device: str | None = None) -> "FederatedLM":
-    """The run's model with its seeded LoRA adapter w^0 (on `device`; None: the config's):
-    the one constructor every engine uses."""
-    return FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=getattr(torch, cfg.dtype),
-                             device=resolve_device(cfg.device) if device is None else device)
+    """The run's model with its seeded LoRA adapter w^0 (on `device`; None: the config's, where
+    it trains): the one constructor every engine uses."""
+    if device is None:
+        device = resolve_device(cfg.device)
+        check_dtype(cfg.dtype, device)
+    return FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=getattr(torch, cfg.dtype), device=device)
+
+
+def check_dtype(dtype: str, device: str) -> None:
+    """Refuse float16 on a CPU: CPUs have no float16 arithmetic worth the name (SmolLM2 in float16
+    did not finish a round in 300 s), and the tiny test models ignore the dtype.
+    The ServerApp's copy of w^0 is built on its CPU with `device` given, and is not checked."""
+    if dtype == "float16" and torch.device(device).type == "cpu":
+        raise UserError("dtype=float16 on the CPU: CPUs compute float16 far slower than float32 (a SmolLM2 "
+                        "round did not finish in 300 s); use dtype=float32 there, float16 or bfloat16 on a GPU")
 
 
 def cache_dir() -> Path:

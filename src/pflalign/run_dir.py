@@ -72,9 +72,10 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_out(out: Path, what: str = "--out") -> None:
+def check_out(out: Path, what: str = "--out", ours=is_run_folder, kind: str = "a pflalign run folder") -> None:
     """Refuse, before anything loads, an `out` that is a file, cannot be written, or is a
-    folder with files that is not a pflalign run."""
+    folder with files that is not `kind` (`ours(folder)`: a pflalign run; an export's folder
+    for ``pflalign export``, `export.is_export_folder`)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{what} {out} is a file, not a folder")
     existing = _nearest_existing(out)
@@ -82,8 +83,8 @@ def check_out(out: Path, what: str = "--out") -> None:
         raise UserError(f"{what} {out}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"{what} {out}: {existing} is not writable")
-    if out.is_dir() and not is_run_folder(out):
-        raise UserError(f"{what} {out} is a folder with other files in it, not a pflalign run folder; "
+    if out.is_dir() and not ours(out):
+        raise UserError(f"{what} {out} is a folder with other files in it, not {kind}; "
                         "refusing to write there: choose an empty or new folder")
 
 

@@ -118,6 +118,40 @@ class PlannedRun:
             return "unfinished"
         return "new"
 
+    def results(self) -> dict:
+        """A finished run's results (`report.read_results`); a `UserError` saying what to do
+        when they cannot be used (a truncated or damaged results.json, here or under --done)."""
+        try:
+            return read_results((self.done or self.out) / ckpt.RESULTS)
+        except UserError as exc:
+            if self.done is not None:
+                raise UserError(f"{exc}: this finished run under --done cannot be used; restore it there (e.g. "
+                                f"git checkout), or remove that folder and the sweep runs it into {self.out}") from None
+            raise UserError(f"{exc}: this run is marked finished but its results cannot be used; rerun it with "
+                            f"pflalign run --out {self.out} --overwrite (with its config)") from None
+
+
+def dry_run(runs: list[PlannedRun]) -> tuple[list[str], UserError | None]:
+    """`sweep --dry-run`: one line per run saying what the sweep will do with it (run it, resume
+    it, skip it as finished), read as the sweep reads it: a run whose results.json cannot be
+    used is listed as ``damaged``, and the error says that the sweep stops there (None: it won't)."""
+    lines, stop = [], None
+    for r in runs:
+        state, where = r.state(), r.done or r.out
+        if state == "finished":
+            try:
+                note = f"skipped, avg ROUGE-L {r.results()['avg_rouge_l_personalized']:.2f}"
+            except UserError as exc:
+                state, note, stop = "damaged", "the sweep stops here", stop or (r, exc)
+        else:
+            note = {"unfinished": "resumed from its checkpoint", "new": "runs"}[state]
+        lines.append(f"{r.key:<40} {state:<10} {where}  ({note})")
+    if stop is not None:
+        r, exc = stop
+        before = sum(1 for p in runs[:runs.index(r)] if p.state() != "finished")
+        return lines, UserError(f"the sweep would run {before} runs, then stop at {r.key}: {exc}")
+    return lines, None
+
 
 def load_sweep_source(source: str) -> dict:
     """A sweep preset name or a TOML/JSON file → dict (not yet checked)."""
@@ -347,11 +381,7 @@ def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1) -
         state = r.state()
         bar.set_postfix_str(r.key)
         if state == "finished":
-            try:
-                results = read_results((r.done or r.out) / ckpt.RESULTS)
-            except UserError as exc:
-                raise UserError(f"{exc}: this run is marked finished but its results cannot be used; "
-                                f"rerun it with pflalign run --out {r.done or r.out} --overwrite (with its config)") from None
+            results = r.results()
             say(f"{head}: finished earlier, avg ROUGE-L {results['avg_rouge_l_personalized']:.2f}")
         else:
             tic = time.perf_counter()

@@ -46,7 +46,7 @@ from . import allocator
 from .client import ClientRound, client_lr, local_round, score_client
 from .client_store import ClientRecord, ClientStore
 from .data import Example
-from .errors import TrainingDiverged, UserError
+from .errors import OutOfMemory, TrainingDiverged, UserError
 from .methods.base import Method, Params
 
 log = logging.getLogger(__name__)
@@ -143,9 +143,23 @@ def run_score_job(side: ClientSide, job: ScoreJob, shared: dict, progress: bool 
 
 
 def _run(side: ClientSide, job, shared: dict, progress: bool = False, on_step=None):
+    try:
+        if isinstance(job, TrainJob):
+            return run_train_job(side, job, shared, on_step)
+        return run_score_job(side, job, shared, progress)
+    except (torch.OutOfMemoryError, MemoryError):  # a GPU's, or this process's (also in a worker)
+        raise OutOfMemory(out_of_memory(side.cfg, job)) from None
+
+
+def out_of_memory(cfg, job) -> str:
+    """What ran out of memory, with the settings that size it and what to lower."""
     if isinstance(job, TrainJob):
-        return run_train_job(side, job, shared, on_step)
-    return run_score_job(side, job, shared, progress)
+        return (f"out of memory training client {job.k} ({job.record.name}) with batch_size={cfg.batch_size}, "
+                f"max_seq_len={cfg.max_seq_len}, model {cfg.model}: lower batch_size or max_seq_len, or use a "
+                "smaller model")
+    return (f"out of memory scoring client {job.k}'s {job.model} model with eval.batch_size={cfg.eval.batch_size}, "
+            f"max_seq_len={cfg.max_seq_len}, eval.max_new_tokens={cfg.eval.max_new_tokens}, model {cfg.model}: "
+            "lower eval.batch_size (or max_seq_len), or use a smaller model")
 
 
 # ---- the runners ----------------------------------------------------------------
@@ -193,7 +207,8 @@ class Processes:
         for _ in range(workers):
             child_reads, parent_writes = os.pipe()
             parent_reads, child_writes = os.pipe()
-            proc = subprocess.Popen([sys.executable, "-m", "pflalign.workers", str(child_reads), str(child_writes)],
+            proc = subprocess.Popen([sys.executable, "-m", "pflalign.workers", str(child_reads), str(child_writes),
+                                     str(os.getpid())],
                                     pass_fds=(child_reads, child_writes), env=env, stdin=subprocess.DEVNULL)
             os.close(child_reads), os.close(child_writes)
             self.conns.append(_Pipes(parent_writes, parent_reads))
@@ -372,6 +387,43 @@ def _worker_main(read_fd: int, write_fd: int) -> None:
         conn.send(reply)
 
 
+def bound_workers(workers: int, per_round: int, scored: int) -> int:
+    """`workers`, lowered (with a warning) to the clients a round trains or the clients scored at
+    the end, whichever is more, and to this machine's cores: a worker more does nothing but hold
+    another copy of the model (--workers 99 for 4 clients had the engine killed for memory)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    bound = max(1, min(max(per_round, scored), cores))
+    if workers > bound:
+        log.warning("--workers %d lowered to %d: a round trains %d clients, %d are scored at the end, and this "
+                    "machine has %d cores (each worker holds its own copy of the model)", workers, bound, per_round,
+                    scored, cores)
+    return min(workers, bound)
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this worker when the engine process `parent` ends, however it ends (kill -9 too), even
+    mid-job, where it would not read the closed pipe. Linux: the kernel's parent-death signal
+    (prctl PR_SET_PDEATHSIG, SIGKILL; a worker's files are written under names no checkpoint
+    knows yet, so killing it loses nothing). Elsewhere: a thread that sees this process given
+    to another parent."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    else:
+        import threading
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:  # it ended before the line above took effect
+        os._exit(1)
+
+
 def check_workers(workers: int, device: str) -> None:
     """Refuse what cannot work: fewer than one worker, or several processes on one GPU."""
     if workers < 1:
@@ -380,7 +432,8 @@ def check_workers(workers: int, device: str) -> None:
         raise UserError(f"--workers {workers} runs clients in CPU processes; on {device} use --workers 1")
 
 
-if __name__ == "__main__":  # a worker process (`Processes` starts it): python -m pflalign.workers READ WRITE
+if __name__ == "__main__":  # a worker process (`Processes` starts it): python -m pflalign.workers READ WRITE PARENT
+    _die_with_parent(int(sys.argv[3]))
     # through the module's own name: the jobs are unpickled as pflalign.workers' classes, not __main__'s
     from pflalign.workers import _worker_main as main
 

@@ -74,7 +74,8 @@ def run(grid: Grid, rc: dict) -> dict:
     strategy = MethodStrategy(method, cfg, lm.get_lora(),  # the server needs only w^0
                               experiment=uuid.uuid4().hex[:12], min_clients=int(rc["min-clients"]),
                               max_update_norm=float(rc["max-update-norm"]),
-                              max_update_ratio=float(rc["max-update-ratio"]), privacy=privacy,
+                              max_update_ratio=float(rc["max-update-ratio"]),
+                              max_size_ratio=float(rc["max-size-ratio"]), privacy=privacy,
                               connect_timeout=float(rc["connect-timeout"]))
     del lm
     if rec.resuming:
@@ -82,6 +83,7 @@ def run(grid: Grid, rc: dict) -> dict:
         strategy.global_params, strategy.server_state = saved["global"], saved["server_state"]
         strategy.experiment, strategy.rounds_done = saved["flower"]["experiment"], saved["flower"]["rounds_done"]
         strategy.noise_std = saved["flower"].get("noise_std", {})
+        strategy.n_train = saved["flower"].get("n_train", {})  # the sizes clients declared first
         priv.check_resume(saved["flower"].get("privacy"), privacy)
     rec.open(cfg)
     rec.metrics = tensorboard.wrap(rec.metrics, cfg, rec.out,  # log.tensorboard, as pflalign run
@@ -175,4 +177,5 @@ def checkpoint(strategy: MethodStrategy) -> dict:
     """The server's part of a run (the client states stay on the clients' hosts)."""
     return {"global": strategy.global_params, "server_state": strategy.server_state,
             "flower": {"experiment": strategy.experiment, "rounds_done": strategy.rounds_done,
-                       "noise_std": strategy.noise_std, "privacy": dataclasses.asdict(strategy.privacy)}}
+                       "noise_std": strategy.noise_std, "n_train": strategy.n_train,
+                       "privacy": dataclasses.asdict(strategy.privacy)}}

@@ -17,7 +17,9 @@ per client, how many rounds it has finished. Which SuperNode is which client
   ``min-clients`` replied (0: all sampled clients); otherwise `RoundFailed`.
   A reply whose update fails the checks of `validate` (names, shapes, dtypes,
   finite values, the ``max-update-norm`` bound) is rejected, logged with its
-  SuperNode id and left out too; clients are not trusted.
+  SuperNode id and left out too; so is one whose declared |D_k| exceeds
+  ``max-size-ratio`` times the round's median declared size (its weight would
+  swamp the others'; `validate.oversized`); clients are not trusted.
 * `configure_evaluate` / `collect_evaluate` (`aggregate_evaluate`): every
   client (or the seeded sample of ``eval.clients``, as in process) scores its
   personalized model, the global model (and the base model), returned as an
@@ -153,6 +155,7 @@ class MethodStrategy(Strategy):
     def __init__(self, method: Method, cfg: RunConfig, global_params: Params, experiment: str,
                  min_clients: int = 0, query_timeout: float = 120.0, max_update_norm: float = 0.0,
                  max_update_ratio: float = wire.RUN_DEFAULTS["max-update-ratio"],
+                 max_size_ratio: float = wire.RUN_DEFAULTS["max-size-ratio"],
                  privacy: priv.Privacy = priv.Privacy(),
                  connect_timeout: float = wire.RUN_DEFAULTS["connect-timeout"]):
         self.method, self.cfg, self.experiment = method, cfg, experiment
@@ -167,9 +170,10 @@ class MethodStrategy(Strategy):
         self.expected = validate.expected_message(method, global_params)  # what a client's update must look like
         self.max_update_norm = max_update_norm  # 0: no bound
         self.max_update_ratio = max_update_ratio  # x the global model's norm; 0: no bound
+        self.max_size_ratio = max_size_ratio  # a declared n_train / n_test x the round's median; 0: no bound
         self.rounds_done: dict[int, int] = {}  # client → rounds it finished (saved in the checkpoint)
         self.noise_std: dict[int, float] = {}  # round → the DP noise's standard deviation (saved too)
-        self.n_train: dict[int, int] = {}  # client → |D_k|, as the clients report it
+        self.n_train: dict[int, int] = {}  # client → |D_k|, as the clients report it (saved in the checkpoint)
         # between a configure_* hook and its collect_*: the messages sent and their clients, and
         # the clients not even sent one (no SuperNode) → why
         self._pending: list[tuple[Message, int]] = []
@@ -263,14 +267,20 @@ class MethodStrategy(Strategy):
                 f"round {server_round}: {len(got)} of {sampled} clients replied, fewer than "
                 f"min-clients={self.min_clients or 'all'}; missing: "
                 + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(missing.items())))
-        results, rejected = [], {}
+        accepted, rejected = {}, {}
         for k in sorted(got):
             try:
-                m = self._accept(got[k].content, k)
+                accepted[k] = self._accept(got[k].content, k)
             except validate.InvalidUpdate as exc:  # untrusted input: left out, the round goes on
                 rejected[k] = str(exc)
-                log.warning("round %d: rejected the update of %s from SuperNode %d: %s", server_round,
-                            self.name(k), got[k].metadata.src_node_id, exc)
+        # the declared sizes against each other, once every reply's own checks are done
+        rejected.update(validate.oversized({k: m["n_train"] for k, m in accepted.items()}, self.max_size_ratio))
+        for k in sorted(rejected):
+            log.warning("round %d: rejected the update of %s from SuperNode %d: %s", server_round,
+                        self.name(k), got[k].metadata.src_node_id, rejected[k])
+        results = []
+        for k, m in sorted(accepted.items()):
+            if k in rejected:
                 continue
             results.append((k, ClientRound(
                 message={}, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr_mean"),
@@ -337,12 +347,14 @@ class MethodStrategy(Strategy):
                               f"clients (min-clients={self.min_clients or 'all'}) did not finish; missing: "
                               + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(missing.items())))
         results = []
+        too_large = validate.oversized({k: res.num_examples for k, res in got.items()}, self.max_size_ratio)
         for k in sorted(got):
             m = {key: json.loads(v) if key == "losses" else v for key, v in got[k].metrics.items()}
             n = got[k].num_examples
             reason = validate.validate_train_metrics({**m, "n_train": n}, self.cfg.local_steps, self.n_train.get(k))
             if not reason and n > self.privacy.max_weight:
                 reason = f"n_train {n} exceeds secagg-max-weight={self.privacy.max_weight:g}"
+            reason = reason or too_large.get(k)
             if reason:  # its upload is already in the sum: the round cannot go on without it
                 raise RoundFailed(f"round {server_round}: {self.name(k)} sent malformed metrics under SecAgg+ "
                                   f"(its upload cannot be left out of the sum): {reason}")
@@ -424,10 +436,19 @@ class MethodStrategy(Strategy):
             except Exception as exc:  # a malformed reply: that client is left out
                 reply = {"error": f"cannot decode the reply ({type(exc).__name__}: {exc})"}
             reason = reply.get("error") or validate.validate_eval_metrics(reply)
+            if not reason and reply["n_train"] > self.n_train.get(k, reply["n_train"]):
+                reason = (f"metric 'n_train' is {reply['n_train']}, more than the {self.n_train[k]} the client "
+                          "declared in training")
             if reason:
                 missing[k] = f"evaluation rejected: {reason} (SuperNode {got[k].metadata.src_node_id})"
             else:
                 scores[k] = reply
+        # the counts against each other (results.json's weighted means use n_train)
+        for what in ("n_train", "n_test"):
+            for k, why in validate.oversized({k: s[what] for k, s in scores.items()}, self.max_size_ratio,
+                                             what).items():
+                missing[k] = f"evaluation rejected: {why} (SuperNode {got[k].metadata.src_node_id})"
+                del scores[k]
         for k in sorted(missing):
             log.warning("evaluation: %s is missing: %s", self.name(k), missing[k])
         return EvalOutcome(scores, missing)

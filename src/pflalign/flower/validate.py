@@ -10,8 +10,10 @@ client rule produces
 model, its norm is within ``max-update-ratio`` times the global model's norm
 (default 10) and within ``max-update-norm`` when that bound is set, it carries
 no ArrayRecord the method did not ask for, and its metrics are well formed
-(non-negative losses, norms and GSNR; n_train no larger than the client's first).
-Otherwise `MethodStrategy` rejects it, logs why with the client's SuperNode
+(non-negative losses, norms and GSNR; n_train no larger than the client's first),
+and its declared size n_train is at most ``max-size-ratio`` times the round's
+median declared size (`oversized`; the same for an evaluation reply's n_train
+and n_test). Otherwise `MethodStrategy` rejects it, logs why with the client's SuperNode
 id, and aggregates the round over the other clients (docs/distributed.md).
 
 The update norm is measured as ‖message − w^r‖ over the groups of
@@ -162,6 +164,30 @@ def validate_eval_metrics(scores) -> str | None:
         if not (_finite_number(value) and 0 <= value <= 100):
             return f"metric {key!r} must be a ROUGE-L score in [0, 100], got {value!r}"
     return None
+
+
+def lower_median(values) -> int | float:
+    """The lower median: the middle value, the smaller of the two middle ones for an even count.
+    It is a declared value of an honest client as long as at most half of them inflate theirs
+    (two clients: the smaller one, so one liar cannot lift the bound it is checked against)."""
+    values = sorted(values)
+    return values[(len(values) - 1) // 2]
+
+
+def oversized(sizes: dict, max_ratio: float, what: str = "n_train") -> dict:
+    """The clients of `sizes` (client → its declared size) whose size exceeds `max_ratio` times
+    the lower median of all of them → why; {} when `max_ratio` <= 0 (off).
+
+    Why: FedAvg-style weights are |D_k| / sum_j |D_j| over what clients declare, so one reply
+    with n_train = 10^12 would take the whole average. The median is not moved by a minority of
+    such replies; the bound leaves an honest federation's spread of sizes (up to `max_ratio`
+    x the median) alone. A liar can still claim up to that bound: with N clients a weight of at
+    most max_ratio / (max_ratio + N - 1) (docs/distributed.md)."""
+    if max_ratio <= 0 or not sizes:
+        return {}
+    median = lower_median(sizes.values())
+    return {k: f"metric {what!r} is {n}, more than max-size-ratio={max_ratio:g} x the round's median "
+               f"declared {what} ({median})" for k, n in sizes.items() if n > max_ratio * median}
 
 
 def validate_train_metrics(metrics, local_steps: int, n_train_declared: int | None = None) -> str | None:

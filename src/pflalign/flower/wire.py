@@ -73,6 +73,7 @@ RUN_DEFAULTS = {
     "client-dir": "",  # where clients keep their state when the node config has no state-dir
     "max-update-norm": 0.0,  # reject a client update whose norm exceeds this (see validate.py); 0: no bound
     "max-update-ratio": 10.0,  # reject an update larger than this x the global model's norm (validate.py); 0: off
+    "max-size-ratio": 10.0,  # reject a reply declaring more examples than this x the round's median (validate.py); 0: off
     # differential privacy and SecAgg+ (privacy.py, docs/distributed.md)
     "dp-noise-multiplier": 0.0,  # σ: the noise's std is σ x clipping norm x the largest data weight
     "dp-clipping-norm": 0.0,  # C > 0 turns DP on: each upload's change is clipped to norm C on its client
