@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import torch
 
 from .base_cache import base_generations
-from .config import RunConfig
+from .settings import RunConfig
 from .errors import TrainingDiverged, UserError
 from .evaluate import generate, rouge_l
 from .methods.base import Message, Method, Params, State, StepContext, zeros_like

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import checkpoint as ckpt
-from .config import RunConfig
+from .settings import RunConfig
 from .data import Example
 from .partition import ClientShare, client_shares, uses_partitioner
 from .prompts import Encoded, encode_train

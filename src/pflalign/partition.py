@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .config import RunConfig
+from .settings import RunConfig
 from .data import Example
 from .data.load import DEFAULT_CATEGORIES, load_federation, load_federation_described
 from .data.partition import partition_name
