@@ -17,11 +17,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .settings import RunConfig
 from .data import Example
 from .data.load import DEFAULT_CATEGORIES, load_federation, load_federation_described
 from .data.partition import partition_name
 from .errors import UserError
+from .settings import RunConfig
 
 
 @dataclass
@@ -70,9 +70,6 @@ def by_category(cfg: RunConfig, data_dir: str | None, which: list[int] | None) -
     return [ClientShare(t.task, t.train, t.test) for t in tasks]
 
 
-PARTITIONERS = {"category": by_category}
-
-
 def hold_out_validation(share: ClientShare, n: int, split_seed: int) -> ClientShare:
     """A validation split carved from the training data, for choosing hyperparameters without
     ever looking at the test split: n training examples, drawn with an RNG seeded by
@@ -118,7 +115,7 @@ def client_shares_described(cfg: RunConfig, data_dir: str | None = None,
         shares, info = partitioned(cfg, data_dir)
         shares = shares if which is None else select(shares, which)
     else:
-        shares, info = PARTITIONERS["category"](cfg, data_dir, which), None
+        shares, info = by_category(cfg, data_dir, which), None
     if cfg.data.validation is not None:
         shares = [hold_out_validation(s, cfg.data.validation, cfg.data.split_seed) for s in shares]
     return shares, info
