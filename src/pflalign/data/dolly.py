@@ -142,9 +142,6 @@ def _hub_records() -> list[tuple[str, Mapping[str, Any]]]:
     return list(read_jsonl(Path(local)))
 
 
-# --- JSON-lines helpers, shared with flan.py -------------------------------------------
-
-
 def dolly_table(source: str | None) -> Table:
     """Dolly as a table: every record in file order, its category as label (load_dolly's examples)."""
     source = source or DOLLY_HUB_ID
@@ -177,6 +174,9 @@ def _load(source: str | None, categories: list[str] | None, split_seed: int, max
 
 
 DATASET = Dataset(load=_load, categories=PAPER_CATEGORIES, table=dolly_table, files=dolly_files)
+
+
+# --- JSON-lines helpers, shared with flan.py -------------------------------------------
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
