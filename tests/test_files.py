@@ -252,7 +252,7 @@ def test_config_keys_reach_the_loader():
         (["data.test_fraction=1"], r"data.test_fraction must be a number in \(0, 1\)"),
         (["data.test_fraction=NaN"], r"data.test_fraction must be a (number in \(0, 1\)|finite number)"),
         (["data.test_set=shared"], "data.test_set must be one of auto, per_client, global"),
-        (["data.partition=iid", "data.num_clients=2"], "synthetic federation is 4 generated tasks"),
+        (["data.partition=iid", "data.num_clients=2"], "synthetic federation is 4 tasks, one client each"),
         (["data.name=dolly", "data.columns.instruction=q"], "data.columns applies to data.name=files"),
         (["data.name=files", "data.dir=x.csv"], "data.partition=natural makes one client per value of a column"),
         (["data.columns.instruction="], "data.columns.instruction must be a column name"),

@@ -375,3 +375,18 @@ def test_arguments_reach_the_methods_through_the_config():
         build_config(None, {"method": "fedadagrad", "method_args": {"beta2": 0.9}})
     assert FedAdam.arg_names() == ["server_lr", "beta1", "tau", "beta2"]
     assert set(NEW_METHODS) <= set(METHODS)
+
+
+# ---- the class hierarchy mirrors the math (issue 40) ------------------------------
+@pytest.mark.parametrize("cls", [FedProx, FedSAM])
+def test_fedavg_variants_change_only_the_client_step(cls):
+    """FedProx and FedSAM are FedAvg with another local step (their papers' server rule is
+    FedAvg's data-weighted mean): subclasses of FedAvg whose classes, up to Method, define no
+    rule but `local_step`."""
+    from pflalign.methods.base import Method
+
+    assert issubclass(cls, FedAvg)
+    mro = cls.__mro__[:cls.__mro__.index(Method)]
+    rules = {n for klass in mro for n, v in vars(klass).items()
+             if n != "Args" and not n.startswith("__") and (callable(v) or isinstance(v, (classmethod, staticmethod)))}
+    assert rules == {"local_step"}

@@ -116,7 +116,7 @@ def cmd_rescore(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import write_report
+    from .report_md import write_report
 
     paired = tuple(args.paired) if args.paired else None
     print(write_report(Path(args.dir), Path(args.out), client=args.client, metric=args.metric, paired_against=paired,

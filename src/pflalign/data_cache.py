@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import Callable
 
 from . import checkpoint as ckpt
-from .config import RunConfig
 from .data import Example
+from .data.registry import DATASETS
+from .settings import RunConfig
 from .partition import ClientShare, client_shares, uses_partitioner
 from .prompts import Encoded, encode_train
 
@@ -81,37 +82,15 @@ def tokenizer_digest(tokenizer) -> str | None:
 
 
 def data_files(cfg: RunConfig, data_dir: str | None) -> list[Path] | None:
-    """The files the loader reads for this federation, in order; None where this cache does not
-    apply (a hub id, a missing file: those load as before). For your own files in a folder: every
-    data file under it (Hugging Face's rules pick among them; a change to any of them is a miss)."""
-    name = cfg.data.name
-    if name == "synthetic":
-        return [] if not data_dir else None
-    if not data_dir:
+    """The files the loader reads for this federation, in order (its `Dataset.files`); None where
+    this cache does not apply (a hub id, a missing file: those load as before). For your own files
+    in a folder: every data file under it (Hugging Face's rules pick among them; a change to any
+    of them is a miss)."""
+    dataset = DATASETS.get(cfg.data.name)
+    if dataset is None or dataset.files is None:
         return None
-    source = Path(data_dir).expanduser()
-    if name == "files":
-        from .data.files import BUILDERS
-
-        if source.is_dir():
-            files = sorted(p for p in source.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS)
-            return files or None
-        return [source] if source.is_file() else None
-    if name == "flan":
-        from .data.flan import TEST_FILENAME, _TRAINING_FILE
-
-        if not source.is_dir():
-            return None
-        train = sorted((int(m.group(1)), p) for p in source.iterdir()
-                       if (m := _TRAINING_FILE.fullmatch(p.name)) and p.is_file())
-        files = [p for _, p in train] + [source / TEST_FILENAME]
-    elif name == "dolly":
-        from .data.dolly import DOLLY_FILENAME
-
-        files = [source / DOLLY_FILENAME if source.is_dir() else source]
-    else:
-        return None
-    return files if all(p.is_file() for p in files) else None
+    files = dataset.files(Path(data_dir).expanduser() if data_dir else None)
+    return files if files is not None and all(p.is_file() for p in files) else None
 
 
 def cache_key(cfg: RunConfig, tokenizer, k: int, data_dir: str | None) -> dict | None:

@@ -231,19 +231,15 @@ def write_run_adapters(out: Path, cfg, adapters: Mapping[str, dict]) -> dict[str
 
 
 def client_names(out: Path, cfg) -> list[str]:
-    """The run's clients in order: from results.json when the run finished, else from its data config."""
+    """The run's clients in order: from results.json when the run finished, else as the run named
+    them (`partition.client_names`: from the config, the dataset's default clients, or its data)."""
     from . import checkpoint as ckpt
+    from .partition import client_names as configured_names
 
     results = Path(out) / ckpt.RESULTS
     if results.exists():
         return [c["task"] for c in json.loads(results.read_text())["clients"]]
-    if cfg.data.clients is not None:
-        return list(cfg.data.clients)
-    from .data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
-    from .data.synthetic import SYNTHETIC_TASKS
-
-    return list({"synthetic": SYNTHETIC_TASKS, "dolly": DOLLY_PAPER_CATEGORIES,
-                 "flan": FLAN_PAPER_CATEGORIES}[cfg.data.name])
+    return configured_names(cfg)
 
 
 def load_run(out: Path):

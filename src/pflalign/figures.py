@@ -25,7 +25,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .methods import FAMILIES, family, label, method_order  # noqa: E402
 
-from .report import figure_client  # noqa: E402  (report imports this module only inside write_report)
+from .report import figure_client  # noqa: E402  (report does not import this module: report_md does)
 
 if TYPE_CHECKING:  # the rows and runs `report` hands in
     from .report import Row, Run

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import use_segment_attention
-from .config import LoraSettings  # noqa: F401  (its former home; `FederatedLM.build` takes one)
+from .settings import LoraSettings  # noqa: F401  (its former home; `FederatedLM.build` takes one)
 from .lora_mlp import use_fused_lora_mlp
 from .model_cache import load_dequantized
 from .rms_norm import use_fused_rms_norm

@@ -43,7 +43,7 @@ import math
 
 import torch
 
-from .config import OPTIMIZERS, SCHEDULES
+from .settings import OPTIMIZERS, SCHEDULES
 
 
 def round_lr(lr: float, schedule: str, min_lr: float, rounds: int, round_index: int) -> float:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .config import RunConfig
 from .data import Example
-from .data.load import DEFAULT_CATEGORIES, load_federation, load_federation_described
+from .data.load import load_federation, load_federation_described
 from .data.partition import partition_name
+from .data.registry import DATASETS
 from .errors import UserError
+from .settings import RunConfig
 
 
 @dataclass
@@ -43,7 +44,9 @@ def names_from_config(cfg: RunConfig) -> list[str] | None:
     if uses_partitioner(cfg):
         if cfg.data.partition != "natural":
             return [partition_name(k) for k in range(cfg.data.num_clients)]
-        clients = cfg.data.clients if cfg.data.clients is not None else DEFAULT_CATEGORIES.get(cfg.data.name)
+        clients = cfg.data.clients
+        if clients is None and cfg.data.name in DATASETS:
+            clients = DATASETS[cfg.data.name].categories or None  # the dataset's default clients, if any
         return None if clients is None else list(clients)
     return client_names(cfg)
 
@@ -56,9 +59,11 @@ def client_names(cfg: RunConfig, data_dir: str | None = None) -> list[str]:
         return names if names is not None else [s.name for s in client_shares(cfg, data_dir)]
     if cfg.data.clients is not None:
         return list(cfg.data.clients)
-    if cfg.data.name not in DEFAULT_CATEGORIES:
-        raise UserError(f"unknown federation {cfg.data.name!r}; valid: {', '.join(DEFAULT_CATEGORIES)}")
-    return list(DEFAULT_CATEGORIES[cfg.data.name])
+    dataset = DATASETS.get(cfg.data.name)
+    if dataset is None or not dataset.categories:  # the registry's datasets with default clients
+        valid = ", ".join(name for name, d in DATASETS.items() if d.categories)
+        raise UserError(f"unknown federation {cfg.data.name!r}; valid: {valid}")
+    return list(dataset.categories)
 
 
 def by_category(cfg: RunConfig, data_dir: str | None, which: list[int] | None) -> list[ClientShare]:
@@ -68,9 +73,6 @@ def by_category(cfg: RunConfig, data_dir: str | None, which: list[int] | None) -
     tasks = load_federation(cfg.data.name, data_dir, categories, cfg.data.split_seed,
                             cfg.data.max_train, cfg.data.max_test)
     return [ClientShare(t.task, t.train, t.test) for t in tasks]
-
-
-PARTITIONERS = {"category": by_category}
 
 
 def hold_out_validation(share: ClientShare, n: int, split_seed: int) -> ClientShare:
@@ -118,7 +120,7 @@ def client_shares_described(cfg: RunConfig, data_dir: str | None = None,
         shares, info = partitioned(cfg, data_dir)
         shares = shares if which is None else select(shares, which)
     else:
-        shares, info = PARTITIONERS["category"](cfg, data_dir, which), None
+        shares, info = by_category(cfg, data_dir, which), None
     if cfg.data.validation is not None:
         shares = [hold_out_validation(s, cfg.data.validation, cfg.data.split_seed) for s in shares]
     return shares, info

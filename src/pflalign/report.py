@@ -1,10 +1,12 @@
-"""`pflalign report`: the paper's Table 1 and figures from finished runs.
+"""`pflalign report`: the paper's Table 1 and the statistics of finished runs.
 
 Scans a folder for finished runs (a directory with `results.json`,
 `metrics.jsonl` and `config.json`), groups them by dataset and method, and
-writes per dataset a table shaped like the paper's Table 1 (`table.md`,
-`table.csv`) and the figures (see `figures.py`), plus one `report.md` that
-links everything. A run's dataset is the folder name in a sweep's layout
+computes per dataset a table shaped like the paper's Table 1 (`table.md`,
+`table.csv`), paired differences, training dynamics and their markdown;
+`report_md.write_report` puts them, the figures (`figures.py`) and the
+claims (`claims.py`) into one `report.md`: figures and claims read this
+module's rows, and it imports neither (tests/test_layers.py). A run's dataset is the folder name in a sweep's layout
 (<dataset>/<method>/seed<k>/), else its `results.json` dataset.
 
 Cells are personalized ROUGE-L ×100, the mean over seeds; the Avg column is
@@ -28,8 +30,8 @@ from pathlib import Path
 from . import checkpoint as ckpt
 from .errors import UserError
 from .data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
-from .lifecycle import DIVERGED_LOSS_RATIO, start_loss
 from .methods import FAMILIES, family, label, method_order  # noqa: F401  (FAMILIES: the table's row groups)
+from .run_stats import DIVERGED_LOSS_RATIO, distribution, start_loss
 
 
 # ---- statistics -------------------------------------------------------------
@@ -241,7 +243,7 @@ def find_runs(root: Path) -> tuple[list[Run], list[str]]:
 @dataclass
 class Divergence:
     """A run whose last round ended with more than DIVERGED_LOSS_RATIO × the training loss it started
-    from (`lifecycle.start_loss`)."""
+    from (`run_stats.start_loss`)."""
 
     from_round: int  # 1-based (as the run's log): the first of the final rounds that stayed above the start
     start_loss: float
@@ -260,7 +262,7 @@ def divergence(run: Run) -> Divergence | None:
     """How the run diverged, or None when its last round's mean training loss is at most
     DIVERGED_LOSS_RATIO × the loss it started from.
 
-    Why a ratio (2, lifecycle.py says where it comes from) and not "above the start": a run that barely
+    Why a ratio (2, run_stats.py says where it comes from) and not "above the start": a run that barely
     learns (pFLAlign at β = 0.99, a 2-round toy) ends near 1 ×, above it by noise. The scores of a
     diverged run are real, but they measure the blow-up."""
     rounds = round_losses(run)
@@ -425,8 +427,7 @@ MAX_TABLE_CLIENTS = 12  # more clients than this: Table 1 shows the average only
 def distribution_markdown(runs: list[Run]) -> str:
     """How ROUGE-L spreads over a run's scored clients, mean over each method's runs: the plain mean,
     the |D_k|-weighted mean and the mean of the worst 10% of clients, personalized and global
-    (`lifecycle.distribution`, computed from results.json's clients, so older runs have it too)."""
-    from .lifecycle import distribution
+    (`run_stats.distribution`, computed from results.json's clients, so older runs have it too)."""
 
     lines = ["| Method | clients | pers. mean | pers. weighted | pers. worst 10% | glob. mean | glob. weighted "
              "| glob. worst 10% |", "| :-- | --: | --: | --: | --: | --: | --: | --: |"]
@@ -651,111 +652,3 @@ def client_gsnr_markdown(runs: list[Run], task: str) -> str:
     lines = [f"| Method | round 1 | round {GSNR_RISE_ROUND} | last round | change, round 1 → {GSNR_RISE_ROUND} |",
              "| :-- | --: | --: | --: | --: |"]
     return "\n".join(lines + _mean_rows(runs, lambda r: client_gsnr(r, task), keys)) + "\n"
-
-
-# ---- the report -------------------------------------------------------------
-def write_report(root: Path | str, out: Path | str, client: str | None = None, metric: str = "rouge_l",
-                 paired_against: tuple[str, ...] | None = None, claims: bool = False) -> Path:
-    """Tables and figures for every dataset under `root` into `out`; returns report.md. The tables
-    and paired differences show `metric` (rouge_l or exact_match); the figures are ROUGE-L.
-    `paired_against`: the methods that each get a table of paired differences (that method minus
-    each other one), each of them with a finished run under `root`; None: pFLAlign, where it ran.
-    `claims`: judge the paper's claims (`pflalign.claims`) under each dataset's tables, for the
-    paper's federations (`paper_federation`); a dataset of other data gets a line saying why not."""
-    if metric not in METRICS:
-        raise UserError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
-    metric_name = METRICS[metric]
-    from .figures import write_figures  # figures read the rows this module computes
-
-    root, out = Path(root), Path(out)
-    if not root.is_dir():
-        raise UserError(f"{root} is not a folder")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a folder")
-    runs, notes = find_runs(root)
-    if not runs:
-        left = f"; left out: {len(notes)} ({notes[0]}{', ...' if len(notes) > 1 else ''})" if notes else ""
-        raise UserError(f"no finished runs (results.json + metrics.jsonl + config.json) under {root}{left}")
-    present = method_order(r.method for r in runs)
-    absent = [m for m in paired_against or () if m not in present]
-    if absent:
-        raise UserError(f"--paired {absent[0]}: no finished run of it under {root}; there are {', '.join(present)}")
-    if metric == "exact_match":
-        runs = [with_exact_match(r) for r in runs]
-    lines = ["# pflalign report", "", f"{len(runs)} finished runs under `{root}`.", ""]
-    for dataset in sorted({r.dataset for r in runs}):
-        mine = [r for r in runs if r.dataset == dataset]
-        folder = out / dataset
-        folder.mkdir(parents=True, exist_ok=True)
-        tasks, rows = summarize(mine, metric)
-        paper = paper_federation(mine)  # the paper's parts (families, claims, default client) only for its data
-        many = len(tasks) > MAX_TABLE_CLIENTS
-        table = table_markdown([] if many else tasks, rows, families=paper is not None)
-        diverged = divergence_notes(mine)
-        if diverged:
-            table += (f"\n† Diverged: the run's last round ended with a mean training loss above "
-                      f"{DIVERGED_LOSS_RATIO:g} × the loss it started from (its clients' first steps in round 1); "
-                      "its scores measure the blow-up, not the method at a working setting.\n\n"
-                      + "".join(f"- {n}\n" for n in diverged))
-        (folder / "table.md").write_text(table)
-        write_table_csv(folder / "table.csv", tasks, rows)
-        lines += [f"## {dataset}", "",
-                  f"Personalized {metric_name} ×100, {_seed_note(rows)}; Avg ± 95% CI half-width (Student's t over "
-                  f"seeds). Best per column **bold**, second <u>underlined</u>. "
-                  f"[table.md]({dataset}/table.md) · [table.csv]({dataset}/table.csv)"
-                  + (f" (per-client columns for all {len(tasks)} clients in table.csv)" if many else ""), "", table]
-        lines += ["### Distribution over clients", "",
-                  "ROUGE-L ×100 over each run's scored clients, mean over seeds: "
-                  "plain mean, |D_k|-weighted mean (|D_k|: training examples) and the mean of the worst 10% "
-                  "of clients (at least one).", "", distribution_markdown(mine)]
-        answers = None if many else answers_markdown(mine, tasks)
-        if answers:
-            lines += ["### One answer for every example", "",
-                      "Share of each client's test examples that got the personalized model's most common answer "
-                      "(case and punctuation ignored), mean over seeds, with that answer where it is the same in "
-                      "every seed. Near 100% the model gives one answer to everything: on a one-label task its "
-                      "ROUGE-L is then that answer's share of the references, whatever else it learned (the first "
-                      "row scores the most common reference so).", "", answers]
-        rouge_rows = rows if metric == "rouge_l" else summarize(mine)[1]
-        figures, skipped = write_figures(mine, tasks, rouge_rows, folder, client, paper=paper is not None)
-        for title, filename in figures:
-            lines += [f"### {title}", "", f"![{title}]({dataset}/{filename})", ""]
-        if skipped:
-            lines += ["Notes on the figures:", ""] + [f"- {s}" for s in skipped] + [""]
-        for reference in dict.fromkeys(paired_against or (REFERENCE,)):
-            paired = paired_differences(tasks, mine, reference, metric)
-            if paired:
-                title = "Paired differences" + ("" if reference == REFERENCE else f" against {label(reference)}")
-                lines += [f"### {title}", "",
-                          f"{label(reference)} minus each other method, seed by seed (the seeds share data splits), "
-                          f"in {metric_name} ×100: mean ± paired 95% CI half-width (Student's t over the seeds both "
-                          f"ran); * where the interval excludes 0, marked only from {MIN_SEEDS_TO_JUDGE} seeds or more "
-                          "whose differences are not all equal.", "", paired_markdown(tasks, paired, reference)]
-        lines += ["### Training dynamics", "",
-                  "Aggregation consistency Σ_k p_k ‖w_k − w^r‖ (the data-weighted size of the clients' updates: "
-                  "lower means they moved less from w^r, not that their directions agree) and the "
-                  "GSNR ratio ‖mean g‖² / Σ var(g) of the clients' local gradients along their own paths (it also "
-                  "rises as steps shrink), mean over seeds ± 95% CI "
-                  "(docs/usage.md has the exact definitions).", "", dynamics_markdown(mine)]
-        gsnr_client = figure_client(tasks, client, paper is not None)
-        lines += [f"GSNR ratio of client {gsnr_client} (the GSNR figure's), mean over seeds ± 95% CI:", "",
-                  client_gsnr_markdown(mine, gsnr_client)]
-        if claims and paper is None:
-            lines += [f"(--claims: the paper's claims are about its FLAN and Dolly federations, 4 clients, one per "
-                      f"category: {', '.join(FLAN_PAPER_CATEGORIES)}, or {', '.join(DOLLY_PAPER_CATEGORIES)}; "
-                      "these runs are not one of them, so they are not judged here.)", ""]
-        elif claims:
-            from .claims import claims_markdown
-
-            lines += ["### The paper's claims", "",
-                      "Judged by the rules fixed in docs/results/table1-flan/README.md (\"The claims to check\"), "
-                      "on personalized ROUGE-L ×100 whatever the tables show: means over seeds, and paired "
-                      "differences with their 95% intervals (Student's t over the seeds both ran).", "",
-                      claims_markdown(mine, gsnr_client)]
-        lines += ["### Run time", "", "Wall-clock seconds on the machine that made the runs (training per round "
-                  "without the optional per-round evaluation; final evaluation of all clients).", "",
-                  cost_markdown(mine)]
-    if notes:
-        lines += ["## Left out", ""] + [f"- {n}" for n in notes] + [""]
-    (out / "report.md").write_text("\n".join(lines))
-    return out / "report.md"

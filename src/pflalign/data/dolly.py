@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import random
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pflalign.data import TaskData, Example
+from pflalign.data import Dataset, Example, Table, TaskData
 from pflalign.errors import UserError
+
+log = logging.getLogger(__name__)
 
 DOLLY_HUB_ID = "databricks/databricks-dolly-15k"
 DOLLY_FILENAME = "databricks-dolly-15k.jsonl"
@@ -33,6 +36,7 @@ DOLLY_CATEGORIES = (
     "open_qa",
     "summarization",
 )
+PAPER_CATEGORIES = ("classification", "closed_qa", "information_extraction", "summarization")  # the paper's clients
 TEST_FRACTION_DENOMINATOR = 10  # test = ceil(n / 10): the paper's 10% hold-out
 
 
@@ -136,6 +140,40 @@ def _hub_records() -> list[tuple[str, Mapping[str, Any]]]:
             "e.g. with --data-dir)"
         ) from error
     return list(read_jsonl(Path(local)))
+
+
+def dolly_table(source: str | None) -> Table:
+    """Dolly as a table: every record in file order, its category as label (load_dolly's examples)."""
+    source = source or DOLLY_HUB_ID
+    examples, labels = [], []
+    for where, record in _dolly_records(source):
+        examples.append(Example(prompt=_dolly_prompt(record, where),
+                                response=get_text_field(record, "response", where).strip()))
+        labels.append(get_text_field(record, "category", where))
+    if not examples:
+        raise UserError(f"no Dolly records in {source}")
+    unknown = sorted(set(labels) - set(DOLLY_CATEGORIES))
+    if unknown:
+        log.info("Dolly data has categories beyond the 8 standard ones: %s", ", ".join(unknown))
+    return Table(examples, labels, info={"source": str(source), "columns": {
+        "instruction": "instruction", "context": "context", "response": "response", "label": "category"},
+        "rows": len(examples), "dropped": {}})
+
+
+def dolly_files(source: Path | None) -> list[Path] | None:
+    """The file `load_dolly` reads from a local `source` (a file, or a folder holding it)."""
+    if source is None:
+        return None
+    return [source / DOLLY_FILENAME if source.is_dir() else source]
+
+
+def _load(source: str | None, categories: list[str] | None, split_seed: int, max_train: int | None,
+          max_test: int | None) -> list[TaskData]:
+    chosen = PAPER_CATEGORIES if categories is None else categories
+    return load_dolly(source or DOLLY_HUB_ID, list(chosen), split_seed, max_train, max_test)
+
+
+DATASET = Dataset(load=_load, categories=PAPER_CATEGORIES, table=dolly_table, files=dolly_files)
 
 
 # --- JSON-lines helpers, shared with flan.py -------------------------------------------

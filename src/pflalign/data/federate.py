@@ -2,8 +2,8 @@
 
 `make_clients(table, options, ...)` is the one path for every tabular federation:
 your own files (`data.name=files`) and Dolly/FLAN with a partition other than
-today's one client per category. `dolly_table`/`flan_table` read those two as
-tables (label = category); with `data.partition=natural` and the default test
+today's one client per category. Each dataset's `table` (`pflalign.data.registry`:
+`dolly.dolly_table`, `flan.flan_table`) reads it as a table (label = category); with `data.partition=natural` and the default test
 rule they give exactly the clients `load_dolly`/`load_flan` give (tested).
 
 Test sets (`data.test_set`):
@@ -31,13 +31,13 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
 from pflalign.data import Example, TaskData
-from pflalign.data.dolly import DOLLY_CATEGORIES, check_limit, check_unique, get_text_field, read_jsonl
+from pflalign.data.dolly import check_limit, check_unique
 from pflalign.data.files import Columns, Table, read_table
 from pflalign.data.partition import PartitionSpec, check_spec, partition
+from pflalign.data.registry import DATASETS
 from pflalign.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -100,21 +100,22 @@ def check_options(name: str, options: FederationOptions) -> None:
             raise UserError(f"data.columns.{role} must be a column name, got {value!r}")
     if options.partition_by is not None and (not isinstance(options.partition_by, str) or not options.partition_by):
         raise UserError(f"data.partition_by must be a column name, got {options.partition_by!r}")
-    if name in ("dolly", "flan"):
+    dataset = DATASETS.get(name)
+    if name == "files":
+        if options.partition.method == "natural" and options.partition_by is None:
+            raise UserError("data.partition=natural makes one client per value of a column: set "
+                            "data.partition_by=COLUMN, or split the rows with e.g. data.partition=iid "
+                            "data.num_clients=N")
+    elif dataset is not None and dataset.table is not None:  # Dolly, FLAN: fixed columns, labelled by category
         if options.columns != Columns():
             raise UserError(f"data.columns applies to data.name=files; {name} has fixed columns")
         if options.partition_by not in (None, "category"):
             raise UserError(f"data.partition_by for {name} can only be 'category', got {options.partition_by!r}")
         if options.drop_empty:
             raise UserError(f"data.drop_empty applies to data.name=files, not {name}")
-    elif name == "files":
-        if options.partition.method == "natural" and options.partition_by is None:
-            raise UserError("data.partition=natural makes one client per value of a column: set "
-                            "data.partition_by=COLUMN, or split the rows with e.g. data.partition=iid "
-                            "data.num_clients=N")
-    elif name == "synthetic":
+    elif dataset is not None:  # no table: one client per category, as generated (synthetic)
         if not options.is_default():
-            raise UserError("the synthetic federation is 4 generated tasks, one client each: "
+            raise UserError(f"the {name} federation is {len(dataset.categories)} tasks, one client each: "
                             "data.partition, data.test_set and data.columns do not apply to it")
 
 
@@ -127,21 +128,20 @@ def load_partitioned(
     max_test: int | None,
     options: FederationOptions,
 ) -> tuple[list[TaskData], dict[str, Any]]:
-    """Read federation `name` ("files", "dolly", "flan") as a table and make its clients."""
+    """Read federation `name` (your own files, or a dataset with a `table`: Dolly, FLAN) as a table
+    and make its clients."""
     check_options(name, options)
+    dataset = DATASETS.get(name)
     if name == "files":
         if not source:
             raise UserError("data.name=files needs its data: --set data.dir=FILE_OR_FOLDER (or a hub id)")
         table = read_table(source, options.columns, options.partition_by, options.drop_empty)
         label_name = options.partition_by or "label"
-    elif name == "dolly":
-        table, label_name = dolly_table(source), "category"
-    elif name == "flan":
-        if not source:
-            raise UserError("the flan federation needs its data folder: pass --data-dir")
-        table, label_name = flan_table(source), "category"
+    elif dataset is not None and dataset.table is not None:
+        table, label_name = dataset.table(source), "category"
     else:
-        raise UserError(f"federation {name!r} cannot be partitioned; use files, dolly or flan")
+        can = ", ".join(n for n, d in DATASETS.items() if n == "files" or d.table is not None)
+        raise UserError(f"federation {name!r} cannot be partitioned; use {can}")
     return make_clients(table, options, clients, split_seed, max_train, max_test, label_name)
 
 
@@ -254,49 +254,3 @@ def hold_out(examples: list[Example], fraction: float, seed: str, name: str) -> 
         raise UserError(f"client {name!r} has {len(shuffled)} rows: too few to hold out a test set "
                         f"(data.test_fraction={fraction:g}) and keep training data")
     return shuffled[n_test:], shuffled[:n_test]
-
-
-def dolly_table(source: str | None) -> Table:
-    """Dolly as a table: every record in file order, its category as label (load_dolly's examples)."""
-    from pflalign.data.dolly import DOLLY_HUB_ID, _dolly_prompt, _dolly_records
-
-    source = source or DOLLY_HUB_ID
-    examples, labels = [], []
-    for where, record in _dolly_records(source):
-        examples.append(Example(prompt=_dolly_prompt(record, where),
-                                response=get_text_field(record, "response", where).strip()))
-        labels.append(get_text_field(record, "category", where))
-    if not examples:
-        raise UserError(f"no Dolly records in {source}")
-    unknown = sorted(set(labels) - set(DOLLY_CATEGORIES))
-    if unknown:
-        log.info("Dolly data has categories beyond the 8 standard ones: %s", ", ".join(unknown))
-    return Table(examples, labels, info={"source": str(source), "columns": {
-        "instruction": "instruction", "context": "context", "response": "response", "label": "category"},
-        "rows": len(examples), "dropped": {}})
-
-
-def flan_table(directory: str) -> Table:
-    """FedDPA FLAN as a table: the training files (K ascending) as rows, test.jsonl as the test split."""
-    from pflalign.data.flan import TEST_FILENAME, _training_records
-
-    root = Path(directory)
-    if not root.is_dir():
-        raise UserError(f"FLAN data directory not found: {root}")
-    test_path = root / TEST_FILENAME
-    if not test_path.is_file():
-        raise UserError(f"FLAN test file not found: {test_path}")
-
-    def rows(records):
-        examples, labels = [], []
-        for where, record in records:
-            examples.append(Example(prompt=get_text_field(record, "instruction", where).strip(),
-                                    response=get_text_field(record, "output", where).strip()))
-            labels.append(get_text_field(record, "category", where))
-        return examples, labels
-
-    train, train_labels = rows(_training_records(root))
-    test, test_labels = rows(read_jsonl(test_path))
-    return Table(train, train_labels, test, test_labels, info={"source": str(root), "columns": {
-        "instruction": "instruction", "response": "output", "label": "category"},
-        "rows": len(train), "test_rows": len(test), "dropped": {}})

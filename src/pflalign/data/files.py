@@ -34,11 +34,11 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pflalign.data import Example
+from pflalign.data import Dataset, Example, Table  # noqa: F401  (Table: its former home)
 from pflalign.data.dolly import first_line
 from pflalign.errors import UserError
 
@@ -58,15 +58,18 @@ class Columns:
     context: str | None = None
 
 
-@dataclass
-class Table:
-    """Rows of examples with their labels; `test_*` is the source's own test split, if any."""
+def own_files(source: Path | None) -> list[Path] | None:
+    """The files `read_table` reads from a local `source`: the file, or every data file under a
+    folder (Hugging Face's rules pick among them, so a change to any of them counts)."""
+    if source is None:
+        return None
+    if source.is_dir():
+        return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS) or None
+    return [source] if source.is_file() else None
 
-    examples: list[Example]
-    labels: list[str] | None
-    test_examples: list[Example] | None = None
-    test_labels: list[str] | None = None
-    info: dict[str, Any] = field(default_factory=dict)
+
+# your own data loads only as a table (`pflalign.data.federate`, with data.columns and data.partition_by)
+DATASET = Dataset(load=None, files=own_files)
 
 
 def read_table(

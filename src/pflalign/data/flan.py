@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pflalign.data import TaskData, Example
+from pflalign.data import Dataset, Example, Table, TaskData
 from pflalign.data.dolly import (
     check_limit,
     check_unique,
@@ -36,6 +36,7 @@ FLAN_CATEGORIES = (
     "text_formatting",
     "word_disambiguation",
 )
+PAPER_CATEGORIES = ("coreference", "entailment", "paraphrase", "structure_to_text")  # the paper's clients
 TEST_FILENAME = "test.jsonl"
 _TRAINING_FILE = re.compile(r"local_training_(\d+)\.json")
 
@@ -84,6 +85,55 @@ def load_flan(
             )
         )
     return clients
+
+
+def flan_table(directory: str | None) -> Table:
+    """FedDPA FLAN as a table: the training files (K ascending) as rows, test.jsonl as the test split."""
+    if not directory:
+        raise UserError("the flan federation needs its data folder: pass --data-dir")
+    root = Path(directory)
+    if not root.is_dir():
+        raise UserError(f"FLAN data directory not found: {root}")
+    test_path = root / TEST_FILENAME
+    if not test_path.is_file():
+        raise UserError(f"FLAN test file not found: {test_path}")
+
+    def rows(records):
+        examples, labels = [], []
+        for where, record in records:
+            examples.append(Example(prompt=get_text_field(record, "instruction", where).strip(),
+                                    response=get_text_field(record, "output", where).strip()))
+            labels.append(get_text_field(record, "category", where))
+        return examples, labels
+
+    train, train_labels = rows(_training_records(root))
+    test, test_labels = rows(read_jsonl(test_path))
+    return Table(train, train_labels, test, test_labels, info={"source": str(root), "columns": {
+        "instruction": "instruction", "response": "output", "label": "category"},
+        "rows": len(train), "test_rows": len(test), "dropped": {}})
+
+
+def flan_files(source: Path | None) -> list[Path] | None:
+    """The files `load_flan` reads from the folder `source`: the training files (K ascending), then
+    test.jsonl."""
+    if source is None or not source.is_dir():
+        return None
+    train = sorted((int(m.group(1)), p) for p in source.iterdir()
+                   if (m := _TRAINING_FILE.fullmatch(p.name)) and p.is_file())
+    return [p for _, p in train] + [source / TEST_FILENAME]
+
+
+def _load(source: str | None, categories: list[str] | None, split_seed: int, max_train: int | None,
+          max_test: int | None) -> list[TaskData]:
+    if source is None:
+        raise UserError(
+            "the flan federation needs its data folder: pass --data-dir pointing at the "
+            "folder with local_training_K.json and test.jsonl"
+        )
+    return load_flan(source, list(PAPER_CATEGORIES if categories is None else categories), max_train, max_test)
+
+
+DATASET = Dataset(load=_load, categories=PAPER_CATEGORIES, table=flan_table, files=flan_files)
 
 
 def _training_records(root: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:

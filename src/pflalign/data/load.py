@@ -1,30 +1,26 @@
 """One entry point for every federation: `load_federation(name, ...)`.
 
 The partition step (`pflalign.partition`) calls this instead of the individual
-loaders so that defaults (the paper's categories, the synthetic sizes) and
-input checks live in one place. It returns examples by category (`TaskData`);
-which client holds what is the partition step's business.
+loaders; each dataset's loader, defaults (the paper's categories, the synthetic
+sizes) and input checks are its `Dataset` in `pflalign.data.registry.DATASETS`.
+It returns examples by category (`TaskData`); which client holds what is the
+partition step's business.
 """
 
 from __future__ import annotations
 
 import difflib
 
-from pflalign.data import TaskData
-from pflalign.data.dolly import DOLLY_HUB_ID, check_unique, load_dolly, unknown_category_error
+from pflalign.data import TaskData, dolly, flan
 from pflalign.data.federate import FederationOptions, check_options, load_partitioned
-from pflalign.data.flan import load_flan
-from pflalign.data.synthetic import SYNTHETIC_TASKS, make_synthetic
+from pflalign.data.registry import DATASETS
 from pflalign.errors import UserError
 
-FEDERATIONS = ("synthetic", "dolly", "flan", "files")
-DOLLY_PAPER_CATEGORIES = ["classification", "closed_qa", "information_extraction", "summarization"]
-FLAN_PAPER_CATEGORIES = ["coreference", "entailment", "paraphrase", "structure_to_text"]
+FEDERATIONS = tuple(DATASETS)
+DOLLY_PAPER_CATEGORIES = list(dolly.PAPER_CATEGORIES)
+FLAN_PAPER_CATEGORIES = list(flan.PAPER_CATEGORIES)
 # the categories (one client each) of a federation when data.clients is not given
-DEFAULT_CATEGORIES = {"synthetic": list(SYNTHETIC_TASKS), "dolly": DOLLY_PAPER_CATEGORIES,
-                      "flan": FLAN_PAPER_CATEGORIES}
-SYNTHETIC_DEFAULT_TRAIN = 64
-SYNTHETIC_DEFAULT_TEST = 16
+DEFAULT_CATEGORIES = {name: list(d.categories) for name, d in DATASETS.items() if d.categories}
 
 
 def load_federation(
@@ -64,11 +60,13 @@ def load_federation_described(
     route `files`, and `dolly`/`flan` with anything but the default, through
     `pflalign.data.federate`; None or the defaults load exactly as before.
     """
-    if name == "files" or (options is not None and name in ("dolly", "flan") and not options.is_default()):
+    dataset = DATASETS.get(name)
+    if dataset is not None and (dataset.load is None or (
+            options is not None and dataset.table is not None and not options.is_default())):
         options = options or FederationOptions()
         chosen = categories
-        if chosen is None and name in ("dolly", "flan"):
-            chosen = DEFAULT_CATEGORIES[name]
+        if chosen is None and dataset.categories:
+            chosen = list(dataset.categories)
         return load_partitioned(name, source or None, chosen, split_seed, max_train, max_test, options)
     if options is not None:
         check_options(name, options)
@@ -77,48 +75,9 @@ def load_federation_described(
 
 def _load(name: str, source: str | None, categories: list[str] | None, split_seed: int,
           max_train: int | None, max_test: int | None) -> list[TaskData]:
-    if name == "synthetic":
-        return _load_synthetic(source, categories, split_seed, max_train, max_test)
-    if name == "dolly":
-        chosen = DOLLY_PAPER_CATEGORIES if categories is None else categories
-        return load_dolly(source or DOLLY_HUB_ID, list(chosen), split_seed, max_train, max_test)
-    if name == "flan":
-        if source is None:
-            raise UserError(
-                "the flan federation needs its data folder: pass --data-dir pointing at the "
-                "folder with local_training_K.json and test.jsonl"
-            )
-        chosen = FLAN_PAPER_CATEGORIES if categories is None else categories
-        return load_flan(source, list(chosen), max_train, max_test)
-    close = difflib.get_close_matches(name, FEDERATIONS, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise UserError(f"unknown federation {name!r}; valid: {', '.join(FEDERATIONS)}.{hint}")
-
-
-def _load_synthetic(
-    source: str | None,
-    categories: list[str] | None,
-    seed: int,
-    max_train: int | None,
-    max_test: int | None,
-) -> list[TaskData]:
-    """The synthetic federation, optionally only some of its tasks (in the order given)."""
-    if source is not None:
-        raise UserError(
-            f"the synthetic federation is generated in code: it takes no data source ({source!r})"
-        )
-    if categories is not None and not categories:
-        raise UserError("no synthetic tasks given: name at least one, e.g. arithmetic")
-    for task in categories or ():
-        if task not in SYNTHETIC_TASKS:
-            raise unknown_category_error("synthetic", task, SYNTHETIC_TASKS)
-    check_unique(categories or [], "synthetic task")
-    clients = make_synthetic(
-        n_train=SYNTHETIC_DEFAULT_TRAIN if max_train is None else max_train,
-        n_test=SYNTHETIC_DEFAULT_TEST if max_test is None else max_test,
-        seed=seed,
-    )
-    if categories is None:
-        return clients
-    by_task = {client.task: client for client in clients}
-    return [by_task[task] for task in categories]
+    dataset = DATASETS.get(name)
+    if dataset is None or dataset.load is None:
+        close = difflib.get_close_matches(name, FEDERATIONS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UserError(f"unknown federation {name!r}; valid: {', '.join(FEDERATIONS)}.{hint}")
+    return dataset.load(source, categories, split_seed, max_train, max_test)

@@ -34,8 +34,9 @@ import io
 import logging
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -44,8 +45,6 @@ from pflalign.errors import UserError
 
 log = logging.getLogger(__name__)
 
-PARTITIONERS = ("natural", "iid", "dirichlet", "shard", "linear", "exponential", "square")
-LABELLED = ("natural", "dirichlet", "shard")  # partitioners that read a label column
 DEFAULT_DIRICHLET_MIN_PARTITION_SIZE = 10  # flwr_datasets.partitioner.DirichletPartitioner's default
 DEFAULT_SHARDS_PER_CLIENT = 2  # McMahan et al. (2017): 2 shards of sorted labels per client
 
@@ -76,6 +75,71 @@ class Result:
 
     partitions: list[Partition]
     unassigned: list[int] = field(default_factory=list)
+
+
+# ---- the partitioners: one entry each in PARTITIONERS --------------------------------------
+@dataclass(frozen=True)
+class Partitioner:
+    """One ``data.partition`` value: the `flwr_datasets` partitioner it builds for a spec (over a
+    dataset whose columns are ``label`` and ``row``), and whether it reads the label column."""
+
+    make: Callable[[PartitionSpec], Any]
+    labelled: bool = False
+
+
+def _natural_partitioner(spec: PartitionSpec):
+    from flwr_datasets.partitioner import NaturalIdPartitioner
+
+    return NaturalIdPartitioner(partition_by="label")
+
+
+def _iid(spec: PartitionSpec):
+    from flwr_datasets.partitioner import IidPartitioner
+
+    return IidPartitioner(num_partitions=spec.num_clients)
+
+
+def _dirichlet(spec: PartitionSpec):
+    from flwr_datasets.partitioner import DirichletPartitioner
+
+    return DirichletPartitioner(
+        num_partitions=spec.num_clients, partition_by="label", alpha=float(spec.alpha),
+        min_partition_size=(DEFAULT_DIRICHLET_MIN_PARTITION_SIZE if spec.min_partition_size is None
+                            else spec.min_partition_size),
+        self_balancing=False, shuffle=True, seed=spec.seed,
+    )
+
+
+def _shard(spec: PartitionSpec):
+    from flwr_datasets.partitioner import ShardPartitioner
+
+    return ShardPartitioner(
+        num_partitions=spec.num_clients, partition_by="label",
+        num_shards_per_partition=spec.shards_per_client or DEFAULT_SHARDS_PER_CLIENT,
+        keep_incomplete_shard=True, shuffle=True, seed=spec.seed,
+    )
+
+
+def _size_skew(name: str) -> Callable[[PartitionSpec], Any]:
+    def make(spec: PartitionSpec):
+        from flwr_datasets import partitioner as fp
+
+        return getattr(fp, name)(num_partitions=spec.num_clients)
+
+    return make
+
+
+# To add a partitioner: a function building the flwr_datasets partitioner and its line here.
+PARTITIONERS: dict[str, Partitioner] = {
+    "natural": Partitioner(_natural_partitioner, labelled=True),  # one client per label (`_natural`)
+    "iid": Partitioner(_iid),
+    "dirichlet": Partitioner(_dirichlet, labelled=True),
+    "shard": Partitioner(_shard, labelled=True),
+    "linear": Partitioner(_size_skew("LinearPartitioner")),
+    "exponential": Partitioner(_size_skew("ExponentialPartitioner")),
+    "square": Partitioner(_size_skew("SquarePartitioner")),
+}
+LABELLED = tuple(name for name, p in PARTITIONERS.items() if p.labelled)  # partitioners that read a label column
 
 
 def partition_name(pid: int) -> str:
@@ -150,8 +214,6 @@ def partition(
 
 
 def _natural(labels: list[str], spec: PartitionSpec, clients: Sequence[str] | None, label_name: str) -> Result:
-    from flwr_datasets.partitioner import NaturalIdPartitioner
-
     present = list(dict.fromkeys(labels))  # first appearance
     if clients is not None:
         clients = [str(c) for c in clients]
@@ -167,7 +229,7 @@ def _natural(labels: list[str], spec: PartitionSpec, clients: Sequence[str] | No
     if spec.num_clients is not None and spec.num_clients != len(order):
         raise UserError(f"data.num_clients={spec.num_clients} but data.partition=natural makes one client per "
                         f"value of {label_name}: {len(order)} here; leave data.num_clients unset")
-    partitioner = NaturalIdPartitioner(partition_by="label")
+    partitioner = PARTITIONERS["natural"].make(spec)
     partitioner.dataset = _table(labels, list(range(len(labels))))
     by_name = {}
     with _quiet():
@@ -178,27 +240,8 @@ def _natural(labels: list[str], spec: PartitionSpec, clients: Sequence[str] | No
 
 
 def _flower(labels: list[str] | None, spec: PartitionSpec, n_rows: int, label_name: str) -> Result:
-    from flwr_datasets import partitioner as fp
-
     n = spec.num_clients
-    if spec.method == "iid":
-        partitioner = fp.IidPartitioner(num_partitions=n)
-    elif spec.method == "dirichlet":
-        partitioner = fp.DirichletPartitioner(
-            num_partitions=n, partition_by="label", alpha=float(spec.alpha),
-            min_partition_size=(DEFAULT_DIRICHLET_MIN_PARTITION_SIZE if spec.min_partition_size is None
-                                else spec.min_partition_size),
-            self_balancing=False, shuffle=True, seed=spec.seed,
-        )
-    elif spec.method == "shard":
-        partitioner = fp.ShardPartitioner(
-            num_partitions=n, partition_by="label",
-            num_shards_per_partition=spec.shards_per_client or DEFAULT_SHARDS_PER_CLIENT,
-            keep_incomplete_shard=True, shuffle=True, seed=spec.seed,
-        )
-    else:
-        partitioner = {"linear": fp.LinearPartitioner, "exponential": fp.ExponentialPartitioner,
-                       "square": fp.SquarePartitioner}[spec.method](num_partitions=n)
+    partitioner = PARTITIONERS[spec.method].make(spec)
     labels = labels if labels is not None else [""] * n_rows
     # The permutation `datasets.Dataset.shuffle(seed=...)` (hence FederatedDataset) applies.
     order = np.random.default_rng(spec.seed).permutation(n_rows).tolist()

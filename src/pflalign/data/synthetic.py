@@ -15,10 +15,12 @@ import json
 import random
 from collections.abc import Callable
 
-from pflalign.data import TaskData, Example
+from pflalign.data import Dataset, Example, TaskData
+from pflalign.data.dolly import check_unique, unknown_category_error
 from pflalign.errors import UserError
 
 SYNTHETIC_TASKS = ("arithmetic", "sorting", "uppercase", "key_value")
+DEFAULT_TRAIN, DEFAULT_TEST = 64, 16  # examples per task when data.max_train / data.max_test are not set
 MAX_EXAMPLES_PER_TASK = 2000  # well below each task's number of distinct prompts
 
 _ADJECTIVES = (
@@ -73,6 +75,39 @@ def make_synthetic(n_train: int = 64, n_test: int = 16, seed: int = 0) -> list[T
         examples = _unique_examples(_GENERATORS[task], rng, n_train + n_test)
         clients.append(TaskData(task=task, train=examples[:n_train], test=examples[n_train:]))
     return clients
+
+
+def _load(
+    source: str | None,
+    categories: list[str] | None,
+    seed: int,
+    max_train: int | None,
+    max_test: int | None,
+) -> list[TaskData]:
+    """The synthetic federation, optionally only some of its tasks (in the order given)."""
+    if source is not None:
+        raise UserError(
+            f"the synthetic federation is generated in code: it takes no data source ({source!r})"
+        )
+    if categories is not None and not categories:
+        raise UserError("no synthetic tasks given: name at least one, e.g. arithmetic")
+    for task in categories or ():
+        if task not in SYNTHETIC_TASKS:
+            raise unknown_category_error("synthetic", task, SYNTHETIC_TASKS)
+    check_unique(categories or [], "synthetic task")
+    clients = make_synthetic(
+        n_train=DEFAULT_TRAIN if max_train is None else max_train,
+        n_test=DEFAULT_TEST if max_test is None else max_test,
+        seed=seed,
+    )
+    if categories is None:
+        return clients
+    by_task = {client.task: client for client in clients}
+    return [by_task[task] for task in categories]
+
+
+# generated in code: it reads no file (the data cache keys it by its settings alone), and takes no source
+DATASET = Dataset(load=_load, categories=SYNTHETIC_TASKS, files=lambda source: [] if source is None else None)
 
 
 def _unique_examples(

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import GradFn, Method, Params, State, StepContext
+from .base import GradFn, Params, State, StepContext
+from .fedavg import FedAvg
 
 
 @dataclass
@@ -30,7 +31,7 @@ class FedProxArgs:
             raise ValueError(f"mu must be >= 0, got {self.mu}")
 
 
-class FedProx(Method):
+class FedProx(FedAvg):  # FedAvg with another client step: the server rule is inherited
     name = "fedprox"
     label = "FedProx"
     family = "Optimizer-based"

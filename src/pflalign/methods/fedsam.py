@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import GradFn, Method, Params, State, StepContext
+from .base import GradFn, Params, State, StepContext
+from .fedavg import FedAvg
 
 
 @dataclass
@@ -43,7 +44,7 @@ def joint_norm(tensors: Params) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-class FedSAM(Method):
+class FedSAM(FedAvg):  # FedAvg with another client step: the server rule is inherited
     name = "fedsam"
     label = "FedSAM"
     family = "Optimizer-based"

@@ -1,0 +1,122 @@
+"""`pflalign report`'s report.md: per dataset the Table 1 layout, the distribution over clients,
+the figures, paired differences, training dynamics, the paper's claims (on request) and the run
+time, from the statistics `pflalign.report` computes. Above report, figures and claims, which
+read report's rows and do not import each other back: no cycle (tests/test_layers.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .claims import claims_markdown
+from .errors import UserError
+from .figures import write_figures
+from .data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
+from .report import (DIVERGED_LOSS_RATIO, MAX_TABLE_CLIENTS, METRICS, MIN_SEEDS_TO_JUDGE, REFERENCE, _seed_note,
+                     answers_markdown, paper_federation,
+                     client_gsnr_markdown, cost_markdown, distribution_markdown, divergence_notes,
+                     dynamics_markdown, figure_client, find_runs, label, method_order, paired_differences,
+                     paired_markdown, summarize, table_markdown, with_exact_match, write_table_csv)
+
+
+def write_report(root: Path | str, out: Path | str, client: str | None = None, metric: str = "rouge_l",
+                 paired_against: tuple[str, ...] | None = None, claims: bool = False) -> Path:
+    """Tables and figures for every dataset under `root` into `out`; returns report.md. The tables
+    and paired differences show `metric` (rouge_l or exact_match); the figures are ROUGE-L.
+    `paired_against`: the methods that each get a table of paired differences (that method minus
+    each other one), each of them with a finished run under `root`; None: pFLAlign, where it ran.
+    `claims`: judge the paper's claims (`pflalign.claims`) under each dataset's tables, for the
+    paper's federations (`paper_federation`); a dataset of other data gets a line saying why not."""
+    if metric not in METRICS:
+        raise UserError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+    metric_name = METRICS[metric]
+    root, out = Path(root), Path(out)
+    if not root.is_dir():
+        raise UserError(f"{root} is not a folder")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder")
+    runs, notes = find_runs(root)
+    if not runs:
+        left = f"; left out: {len(notes)} ({notes[0]}{', ...' if len(notes) > 1 else ''})" if notes else ""
+        raise UserError(f"no finished runs (results.json + metrics.jsonl + config.json) under {root}{left}")
+    present = method_order(r.method for r in runs)
+    absent = [m for m in paired_against or () if m not in present]
+    if absent:
+        raise UserError(f"--paired {absent[0]}: no finished run of it under {root}; there are {', '.join(present)}")
+    if metric == "exact_match":
+        runs = [with_exact_match(r) for r in runs]
+    lines = ["# pflalign report", "", f"{len(runs)} finished runs under `{root}`.", ""]
+    for dataset in sorted({r.dataset for r in runs}):
+        mine = [r for r in runs if r.dataset == dataset]
+        folder = out / dataset
+        folder.mkdir(parents=True, exist_ok=True)
+        tasks, rows = summarize(mine, metric)
+        paper = paper_federation(mine)  # the paper's parts (families, claims, default client) only for its data
+        many = len(tasks) > MAX_TABLE_CLIENTS
+        table = table_markdown([] if many else tasks, rows, families=paper is not None)
+        diverged = divergence_notes(mine)
+        if diverged:
+            table += (f"\n† Diverged: the run's last round ended with a mean training loss above "
+                      f"{DIVERGED_LOSS_RATIO:g} × the loss it started from (its clients' first steps in round 1); "
+                      "its scores measure the blow-up, not the method at a working setting.\n\n"
+                      + "".join(f"- {n}\n" for n in diverged))
+        (folder / "table.md").write_text(table)
+        write_table_csv(folder / "table.csv", tasks, rows)
+        lines += [f"## {dataset}", "",
+                  f"Personalized {metric_name} ×100, {_seed_note(rows)}; Avg ± 95% CI half-width (Student's t over "
+                  f"seeds). Best per column **bold**, second <u>underlined</u>. "
+                  f"[table.md]({dataset}/table.md) · [table.csv]({dataset}/table.csv)"
+                  + (f" (per-client columns for all {len(tasks)} clients in table.csv)" if many else ""), "", table]
+        lines += ["### Distribution over clients", "",
+                  "ROUGE-L ×100 over each run's scored clients, mean over seeds: "
+                  "plain mean, |D_k|-weighted mean (|D_k|: training examples) and the mean of the worst 10% "
+                  "of clients (at least one).", "", distribution_markdown(mine)]
+        answers = None if many else answers_markdown(mine, tasks)
+        if answers:
+            lines += ["### One answer for every example", "",
+                      "Share of each client's test examples that got the personalized model's most common answer "
+                      "(case and punctuation ignored), mean over seeds, with that answer where it is the same in "
+                      "every seed. Near 100% the model gives one answer to everything: on a one-label task its "
+                      "ROUGE-L is then that answer's share of the references, whatever else it learned (the first "
+                      "row scores the most common reference so).", "", answers]
+        rouge_rows = rows if metric == "rouge_l" else summarize(mine)[1]
+        figures, skipped = write_figures(mine, tasks, rouge_rows, folder, client, paper=paper is not None)
+        for title, filename in figures:
+            lines += [f"### {title}", "", f"![{title}]({dataset}/{filename})", ""]
+        if skipped:
+            lines += ["Notes on the figures:", ""] + [f"- {s}" for s in skipped] + [""]
+        for reference in dict.fromkeys(paired_against or (REFERENCE,)):
+            paired = paired_differences(tasks, mine, reference, metric)
+            if paired:
+                title = "Paired differences" + ("" if reference == REFERENCE else f" against {label(reference)}")
+                lines += [f"### {title}", "",
+                          f"{label(reference)} minus each other method, seed by seed (the seeds share data splits), "
+                          f"in {metric_name} ×100: mean ± paired 95% CI half-width (Student's t over the seeds both "
+                          f"ran); * where the interval excludes 0, marked only from {MIN_SEEDS_TO_JUDGE} seeds or more "
+                          "whose differences are not all equal.", "", paired_markdown(tasks, paired, reference)]
+        lines += ["### Training dynamics", "",
+                  "Aggregation consistency Σ_k p_k ‖w_k − w^r‖ (the data-weighted size of the clients' updates: "
+                  "lower means they moved less from w^r, not that their directions agree) and the "
+                  "GSNR ratio ‖mean g‖² / Σ var(g) of the clients' local gradients along their own paths (it also "
+                  "rises as steps shrink), mean over seeds ± 95% CI "
+                  "(docs/usage.md has the exact definitions).", "", dynamics_markdown(mine)]
+        gsnr_client = figure_client(tasks, client, paper is not None)
+        lines += [f"GSNR ratio of client {gsnr_client} (the GSNR figure's), mean over seeds ± 95% CI:", "",
+                  client_gsnr_markdown(mine, gsnr_client)]
+        if claims and paper is None:
+            lines += [f"(--claims: the paper's claims are about its FLAN and Dolly federations, 4 clients, one per "
+                      f"category: {', '.join(FLAN_PAPER_CATEGORIES)}, or {', '.join(DOLLY_PAPER_CATEGORIES)}; "
+                      "these runs are not one of them, so they are not judged here.)", ""]
+        elif claims:
+            lines += ["### The paper's claims", "",
+                      "Judged by the rules fixed in docs/results/table1-flan/README.md (\"The claims to check\"), "
+                      "on personalized ROUGE-L ×100 whatever the tables show: means over seeds, and paired "
+                      "differences with their 95% intervals (Student's t over the seeds both ran).", "",
+                      claims_markdown(mine, gsnr_client)]
+        lines += ["### Run time", "", "Wall-clock seconds on the machine that made the runs (training per round "
+                  "without the optional per-round evaluation; final evaluation of all clients).", "",
+                  cost_markdown(mine)]
+    if notes:
+        lines += ["## Left out", ""] + [f"- {n}" for n in notes] + [""]
+    (out / "report.md").write_text("\n".join(lines))
+    return out / "report.md"

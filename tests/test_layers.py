@@ -1,0 +1,203 @@
+"""The import layers of src/pflalign (issue 40): every module's imports, read with `ast` (also
+those inside functions, which hide a cycle from Python but not from a reader), must point down
+the table below, never up or sideways, and form no cycle.
+
+Exempt: imports under ``if TYPE_CHECKING:`` (annotations only; nothing runs them) and a module's
+import of itself (workers.py's ``__main__`` block). A new module must be entered in `LAYERS`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "pflalign"
+
+# Bottom to top. A module may import modules of a lower layer, or of its own group; groups side by
+# side in one layer do not import each other. `ALLOWED` narrows what a group may import below it.
+LAYERS: list[dict[str, list[str]]] = [
+    {  # the bottom: errors, adapter tensors, and the config's values (settings.py imports only errors)
+        "values": ["errors", "params", "settings"],
+    },
+    {  # data, files and scores: no model, no method, no run
+        "foundation": ["data", "data.*", "prompts", "checkpoint", "run_dir", "client_store", "model_cache",
+                       "run_stats", "evaluate", "tensorboard", "allocator",
+                       "optim"],  # the local optimizers' math (SGD, AdamW) and the lr schedule, below the methods
+    },
+    {
+        "model": ["model", "attention", "lora_mlp", "rms_norm", "head_loss", "base_cache"],  # and its CPU kernels
+        "methods": ["methods", "methods.*"],
+    },
+    {  # a config checked against the methods and data (config.make_method); the partition step
+        "setup": ["config", "partition", "data_cache"],
+    },
+    {
+        "client": ["client", "workers", "export"],  # the client side, both engines
+        "lifecycle": ["lifecycle"],  # the run folder and its bookkeeping: needs no client code
+    },
+    {
+        "engine": ["engine"],  # the two engines side by side: neither imports the other
+        "flower": ["flower", "flower.*"],
+        "analysis": ["report", "report_md", "figures", "claims"],  # beside the engines, no training code
+    },
+    {
+        "top": ["pflalign", "__main__", "cli", "api", "commands", "sweep"],
+    },
+]
+# report, figures and claims read run folders: they may use the bottom layer and the methods'
+# names and labels, not the model, the client side or the run lifecycle (`pflalign report`
+# must not load the training stack).
+ALLOWED = {"analysis": {"values", "foundation", "methods"}}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
+    """The pflalign modules `name` imports, with line numbers, wherever the import statement is
+    (module level, functions, classes), except under ``if TYPE_CHECKING:``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+
+    def visit(node):
+        if isinstance(node, ast.If) and _type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "pflalign")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] == "pflalign":
+                for alias in node.names:  # `from . import checkpoint` imports a module, not a name
+                    sub = f"{target}.{alias.name}"
+                    found.append((sub if sub in known else target, node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return sorted({(m, line) for m, line in found if m != name})
+
+
+def graph() -> dict[str, list[tuple[str, int]]]:
+    mods = modules()
+    return {name: imports(name, path, set(mods)) for name, path in mods.items()}
+
+
+def place(name: str) -> tuple[int, str] | None:
+    """(layer, group) of a module `pflalign.x.y`; `x.*` entries cover a package's modules."""
+    short = name.removeprefix("pflalign.") if name != "pflalign" else "pflalign"
+    for layer, groups in enumerate(LAYERS):
+        for group, entries in groups.items():
+            for entry in entries:
+                if short == entry or (entry.endswith(".*") and short.startswith(entry[:-1])):
+                    return layer, group
+    return None
+
+
+def upward_imports(g: dict[str, list[tuple[str, int]]]) -> list[str]:
+    problems = []
+    for name, targets in g.items():
+        here = place(name)
+        if here is None:
+            problems.append(f"{name}: not in the layer table (tests/test_layers.py LAYERS)")
+            continue
+        for target, line in targets:
+            there = place(target)
+            if there is None:
+                continue  # reported as that module's own problem
+            same_group = there[1] == here[1]
+            ok = same_group or there[0] < here[0]
+            if ok and not same_group and here[1] in ALLOWED:
+                ok = there[1] in ALLOWED[here[1]]
+            if not ok:
+                problems.append(f"{name}:{line} imports {target} "
+                                f"({here[1]}, layer {here[0]} -> {there[1]}, layer {there[0]})")
+    return problems
+
+
+def cycles(g: dict[str, list[tuple[str, int]]]) -> list[list[str]]:
+    """Every strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def strong(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w, _ in g.get(v, []):
+            if w not in g:
+                continue
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_imports_point_down_the_layers():
+    problems = upward_imports(graph())
+    assert not problems, "imports against the layer table:\n" + "\n".join(problems)
+
+
+def test_no_import_cycles():
+    found = cycles(graph())
+    assert not found, "import cycles (imports inside functions count):\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_layer_table_names_only_existing_modules():
+    """The table stays the truth about the tree: no entry for a module that is gone."""
+    shorts = {n.removeprefix("pflalign.") if n != "pflalign" else n for n in modules()}
+    stale = [e for groups in LAYERS for entries in groups.values() for e in entries
+             if not (e in shorts or (e.endswith(".*") and any(s.startswith(e[:-1]) for s in shorts)))]
+    assert not stale, f"layer table entries without a module: {stale}"
+
+
+# ---- the checker itself, on toy graphs: it can fail --------------------------------------
+def test_checker_finds_an_upward_import_and_a_hidden_cycle(tmp_path):
+    g = {"pflalign.errors": [], "pflalign.settings": [("pflalign.methods", 3)], "pflalign.methods": [],
+         "pflalign.report": [("pflalign.lifecycle", 5), ("pflalign.claims", 9)],
+         "pflalign.claims": [("pflalign.report", 2)], "pflalign.lifecycle": []}
+    problems = upward_imports(g)
+    assert any(p.startswith("pflalign.settings:3 imports pflalign.methods") for p in problems)
+    assert any(p.startswith("pflalign.report:5 imports pflalign.lifecycle") for p in problems)  # ALLOWED
+    assert cycles(g) == [["pflalign.claims", "pflalign.report"]]
+    # an import inside a function counts; one under TYPE_CHECKING does not
+    pkg = tmp_path / "pflalign"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import X\n"
+                              "def f():\n    from . import c\n")
+    found = imports("pflalign.a", pkg / "a.py", {"pflalign.b", "pflalign.c"})
+    assert found == [("pflalign.c", 5)]
