@@ -322,7 +322,7 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         results, predictions = fed.evaluate()
         add_exact_match(results, predictions)  # beside ROUGE-L, from the same outputs
         # the models as evaluated, as PEFT adapter folders (export.py), before results.json marks the run finished
-        export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated())
+        export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated(), results)
         # memory_allocator: "mimalloc" under the pflalign command (allocator.py); the processes and
         # threads that computed it (the thread count decides the floating-point sums' last bits)
         return rec.finish(results, train_seconds, time.perf_counter() - tic, predictions,
