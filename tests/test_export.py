@@ -340,3 +340,22 @@ def test_generate_on_an_exported_folder(tmp_path_factory, tmp_path, capsys):
     assert main(["generate", str(tmp_path / "exp" / "sorting"), "--global", "hi"]) == 2
     assert "no global model" in capsys.readouterr().err
     assert main(["generate", str(tmp_path / "nothing"), "--global", "hi"]) == 2
+
+
+def test_base_and_card_for_a_hub_id_a_folder_and_an_unscored_client(tmp_path):
+    from pflalign.export import base_model, model_card
+
+    assert base_model("meta-llama/Llama-3.2-1B-Instruct") == \
+        ("meta-llama/Llama-3.2-1B-Instruct", "the Hugging Face hub model meta-llama/Llama-3.2-1B-Instruct")
+    (tmp_path / "mymodel").mkdir()
+    assert base_model(str(tmp_path / "mymodel"))[0] == str((tmp_path / "mymodel").resolve())
+    cfg = build_config(None, {**json.loads(json.dumps(TINY)), "model": "meta-llama/Llama-3.2-1B-Instruct"})
+    results = {"avg_rouge_l_global": 1.0, "clients_in_federation": 3,
+               "clients": [{"task": "sorting", "n_train": 12, "n_test": 4, "rouge_l_personalized": 12.5,
+                            "rouge_l_global": 10.0, "rouge_l_base": None, "exact_match_personalized": 25.0}]}
+    base = base_model(cfg.model)
+    card = model_card(cfg, "sorting", base, results)
+    assert "\nbase_model: meta-llama/Llama-3.2-1B-Instruct\n" in card and ", 3 clients\n" in card
+    assert "| sorting | 12 | 4 | 12.50 (25.00) | 10.00 (-) | - (-) |" in card
+    assert "not among the clients scored" in model_card(cfg, "arithmetic", base, results)
+    assert "Not scored" in model_card(cfg, "arithmetic", base, None)

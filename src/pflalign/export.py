@@ -193,6 +193,8 @@ def model_card(cfg, name: str, base: tuple[str, str], results: dict | None = Non
         ("partition_by", d.partition_by), ("num_clients", d.num_clients), ("alpha", d.alpha),
         ("shards_per_client", d.shards_per_client)) if v is not None)
     rows = (results or {}).get("clients", [])
+    # the federation's size, from a whole results.json (a Flower client's card has its own row only)
+    n_clients = results.get("clients_in_federation", len(rows)) if results and "avg_rouge_l_global" in results else None
     title = "the global model" if name == GLOBAL else f"client {name}'s personalized model"
     lines = ["---", "library_name: peft"]
     if not Path(location).is_absolute() and location not in ("tiny-llama", "tiny-opt"):
@@ -217,19 +219,19 @@ def model_card(cfg, name: str, base: tuple[str, str], results: dict | None = Non
               f"- rounds: {cfg.rounds if rounds_done is None else rounds_done} of {cfg.rounds}, "
               f"{cfg.local_steps} local steps of batch {cfg.batch_size}, lr {cfg.lr}, participation "
               f"{cfg.participation}, seed {cfg.seed}, dtype {cfg.dtype}",
-              f"- data: `{d.name}`" + (f" from `{d.dir}`" if d.dir else "") + f", partition {partition}, "
-              f"{len(rows) or 'its'} clients" + (f" ({', '.join(r['task'] for r in rows)})" if 0 < len(rows) <= 20 else ""),
+              f"- data: `{d.name}`" + (f" from `{d.dir}`" if d.dir else "") + f", partition {partition}"
+              + (f", {n_clients} clients" if n_clients else "")
+              + (f" ({', '.join(r['task'] for r in rows)})" if n_clients and n_clients == len(rows) <= 20 else ""),
               "", "## Scores", ""]
+    kind = "global" if name == GLOBAL else "personalized"
+    mine = rows if name == GLOBAL else [r for r in rows if r["task"] == name]
     if not rows:
         lines.append("Not scored (the run was exported from a checkpoint before its evaluation).")
+    elif not mine:
+        lines.append("This client was not among the clients scored (eval.clients).")
     else:
         lines += ["Test ROUGE-L x100 (and exact match x100) on the client's own test split:", "",
                   "| client | n_train | n_test | this adapter | global | base |", "| --- | --- | --- | --- | --- | --- |"]
-        kind = "global" if name == GLOBAL else "personalized"
-        mine = rows if name == GLOBAL else [r for r in rows if r["task"] == name]
-        if not mine:
-            lines[-3] = "This client was not among the clients scored (eval.clients)."
-            del lines[-2:]
         for r in mine:
             cells = [f"{_score(r.get(f'rouge_l_{k}'))} ({_score(r.get(f'exact_match_{k}'))})"
                      for k in (kind, "global", "base")]
