@@ -1,5 +1,5 @@
 # One virtual environment, made and filled from scratch by `make setup`
-# (torch is pinned to the CPU build 2.13.0 in pyproject.toml).
+# (torch pinned to 2.13.0 by constraints.txt, for reproducible results; pyproject.toml has a range).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -7,10 +7,10 @@ OUT    ?= runs/demo
 
 .PHONY: setup demo test clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -33,3 +33,20 @@ def test_api_surface_and_errors(tmp_path):
         api.config("demo", {"lora.rank": 8})
     with pytest.raises(UserError, match="no finished run"):
         api.load_run(tmp_path)
+
+
+def test_run_shows_progress_by_default_and_progress_false_silences_it(tmp_path, capfd):
+    """Issue 42: minutes of silence look like a hang; `progress=False` is the switch."""
+    from pflalign import api
+
+    cfg = api.config(None, {"model": "tiny-opt", "method": "fedavg", "rounds": 2, "local_steps": 1, "batch_size": 2,
+                            "max_seq_len": 64, "lora": {"r": 2, "alpha": 4},
+                            "data": {"name": "synthetic", "clients": ["arithmetic", "sorting"], "max_train": 4,
+                                     "max_test": 1},
+                            "eval": {"max_new_tokens": 2, "base_model": False}})
+    capfd.readouterr()
+    api.run(cfg, tmp_path / "loud")
+    err = capfd.readouterr().err
+    assert "rounds: 100%" in err and "2/2" in err, err[-500:]
+    api.run(cfg, tmp_path / "quiet", progress=False)
+    assert capfd.readouterr().err == ""

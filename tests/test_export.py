@@ -4,6 +4,10 @@ transformers + PEFT load and that generate what the run evaluated."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,7 +73,8 @@ def test_finished_run_writes_peft_adapters_equal_to_the_evaluated_models(finishe
     assert sorted(p.name for p in folder.iterdir()) == sorted(["global", *CLIENTS])
     config = json.loads((folder / "sorting" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["task_type"]) == (4, 8, "CAUSAL_LM")
-    assert config["base_model_name_or_path"] == "tiny-opt"
+    base = Path(config["base_model_name_or_path"])  # the tiny base saved once in the cache (issue 42)
+    assert base.is_absolute() and base.name.startswith("tiny-opt-") and (base / "config.json").exists()
     assert sorted(config["target_modules"]) == ["fc1", "fc2", "k_proj", "out_proj", "q_proj", "v_proj"]
     # the tensors are the method's personalized model after aggregation, from the checkpoint
     cfg = build_config(None, json.loads((out / ckpt.CONFIG).read_text()))
@@ -268,3 +273,139 @@ def test_an_interrupted_merged_export_leaves_no_folder_that_looks_complete(tmp_p
     monkeypatch.undo()
     export_run(out, target, client="sorting", merged=True)
     assert (target / "sorting" / "pflalign.json").is_file() and (target / "sorting" / "model.safetensors").is_file()
+
+
+# ---- issue 42: adapters that travel --------------------------------------------------------
+# transformers and PEFT alone, in a fresh interpreter: what a user without pflalign runs
+PLAIN_PEFT = """
+import json, sys
+import torch
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoTokenizer
+
+folder, prompts, max_new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+model = AutoPeftModelForCausalLM.from_pretrained(folder).eval()
+tok = AutoTokenizer.from_pretrained(model.peft_config["default"].base_model_name_or_path)
+outputs = []
+for prompt in prompts:
+    ids = tok("### Instruction:\\n" + prompt + "\\n\\n### Response:\\n", return_tensors="pt")
+    with torch.no_grad():
+        gen = model.generate(**ids, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+    outputs.append(tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+print(json.dumps({"outputs": outputs, "pflalign_imported": any(m.startswith("pflalign") for m in sys.modules)}))
+"""
+
+
+def _autopeft_outputs(folder, prompts: list[str], cwd) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", PLAIN_PEFT, str(folder), json.dumps(prompts),
+                           str(TINY["eval"]["max_new_tokens"])], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    reply = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not reply["pflalign_imported"]
+    return reply["outputs"]
+
+
+def test_autopeft_loads_exported_adapters_without_pflalign(tmp_path_factory, tmp_path):
+    """`AutoPeftModelForCausalLM.from_pretrained(adapter)` alone (its base from adapter_config.json)
+    generates the run's predictions: for a run's adapters/, an export, and an export --base-copy."""
+    from pflalign.cli import main
+
+    out = _finished("fedsa-lora", tmp_path_factory)
+    preds = _predictions(out)
+    mine = [p for p in preds if p["task"] == "sorting"]
+    assert _autopeft_outputs(out / ADAPTERS / "sorting", [p["prompt"] for p in mine], tmp_path) == \
+        [p["personalized"] for p in mine]
+    assert main(["export", str(out), "--out", str(tmp_path / "exp"), "--global",
+                 "--base-copy", str(tmp_path / "base")]) == 0
+    assert [p.name for p in (tmp_path / "exp").iterdir()] == ["global"]
+    config = json.loads((tmp_path / "exp" / "global" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "base").resolve())
+    assert "tiny-opt" in (tmp_path / "base" / "README.md").read_text()
+    assert _autopeft_outputs(tmp_path / "exp" / "global", [p["prompt"] for p in preds], tmp_path) == \
+        [p["global"] for p in preds]
+
+
+def test_gguf_adapters_name_the_dequantized_copy_in_the_cache(tmp_path, monkeypatch):
+    """A GGUF base (the embedded SmolLM2 is one) is named by its de-quantized transformers-format
+    copy in the model cache, which loads alone with the same tensors and says what it is."""
+    from transformers import AutoModelForCausalLM
+
+    from pflalign.export import base_model
+    from pflalign.model import load_base_model
+    from tiny_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("PFLALIGN_CACHE", str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(tmp_path / "tiny.Q4_1.gguf")
+    location, what = base_model(str(gguf))
+    folder = Path(location)
+    assert folder.parent == tmp_path / "cache" / "dequantized" and "de-quantized" in what
+    assert "de-quantized" in (folder / "README.md").read_text()
+    plain = AutoModelForCausalLM.from_pretrained(folder)
+    ours, _ = load_base_model(str(gguf))
+    theirs = dict(plain.state_dict())
+    assert all(torch.equal(t, theirs[n]) for n, t in ours.state_dict().items())
+    assert "Q4_1" in base_model("smollm2-135m", copy=tmp_path / "copy")[1]  # the embedded one says Q4_1 (not loaded)
+
+
+def test_every_adapter_folder_has_a_model_card_and_readable_files(tmp_path_factory, tmp_path):
+    import dataclasses
+
+    from pflalign.cli import main
+    from pflalign.config import method_args
+
+    out = _finished("pflalign", tmp_path_factory)
+    results = json.loads((out / ckpt.RESULTS).read_text())
+    row = next(r for r in results["clients"] if r["task"] == "sorting")
+    card = (out / ADAPTERS / "sorting" / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: peft\n") and "client sorting's personalized model" in card
+    args = dataclasses.asdict(method_args(build_config(None, json.loads((out / ckpt.CONFIG).read_text()))))
+    assert "beta" in args and f"arguments `{json.dumps(args)}`" in card  # the method's resolved arguments
+    assert "pflalign" in card and "partition natural" in card and "rounds: 2 of 2" in card
+    assert f"| sorting | {row['n_train']} | {row['n_test']} | {row['rouge_l_personalized']:.2f} " in card
+    assert "arithmetic |" not in card  # only its own scores
+    global_card = (out / ADAPTERS / "global" / "README.md").read_text()
+    assert "the global model" in global_card and "| arithmetic |" in global_card and "| sorting |" in global_card
+    assert main(["export", str(out), "--out", str(tmp_path / "m"), "--client", "arithmetic", "--merged"]) == 0
+    for folder in [out / ADAPTERS / "sorting", tmp_path / "m" / "arithmetic"]:
+        modes = {p.name: oct(p.stat().st_mode & 0o777) for p in folder.iterdir()}
+        assert set(modes.values()) == {"0o644"}, modes
+    assert "model.safetensors" in os.listdir(tmp_path / "m" / "arithmetic")
+    assert "AutoModelForCausalLM" in (tmp_path / "m" / "arithmetic" / "README.md").read_text()
+
+
+def test_generate_on_an_exported_folder(tmp_path_factory, tmp_path, capsys):
+    from pflalign.cli import main
+
+    out = _finished("fedsa-lora", tmp_path_factory)
+    mine = [p for p in _predictions(out) if p["task"] == "sorting"]
+    max_new = str(TINY["eval"]["max_new_tokens"])
+    assert main(["export", str(out), "--out", str(tmp_path / "exp")]) == 0
+    capsys.readouterr()
+    for args in (["--client", "sorting"], []):  # the export folder, one adapter folder
+        folder = tmp_path / "exp" if args else tmp_path / "exp" / "sorting"
+        assert main(["generate", str(folder), *args, "--max-new-tokens", max_new, mine[0]["prompt"]]) == 0
+        assert capsys.readouterr().out.strip() == mine[0]["personalized"]
+    assert main(["generate", str(tmp_path / "exp" / "sorting"), "--global", "hi"]) == 2
+    assert "no global model" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "nothing"), "--global", "hi"]) == 2
+
+
+def test_base_and_card_for_a_hub_id_a_folder_and_an_unscored_client(tmp_path):
+    from pflalign.export import base_model, model_card
+
+    assert base_model("meta-llama/Llama-3.2-1B-Instruct") == \
+        ("meta-llama/Llama-3.2-1B-Instruct", "the Hugging Face hub model meta-llama/Llama-3.2-1B-Instruct")
+    (tmp_path / "mymodel").mkdir()
+    assert base_model(str(tmp_path / "mymodel"))[0] == str((tmp_path / "mymodel").resolve())
+    cfg = build_config(None, {**json.loads(json.dumps(TINY)), "model": "meta-llama/Llama-3.2-1B-Instruct"})
+    results = {"avg_rouge_l_global": 1.0, "clients_in_federation": 3,
+               "clients": [{"task": "sorting", "n_train": 12, "n_test": 4, "rouge_l_personalized": 12.5,
+                            "rouge_l_global": 10.0, "rouge_l_base": None, "exact_match_personalized": 25.0}]}
+    base = base_model(cfg.model)
+    card = model_card(cfg, "sorting", base, results)
+    assert "\nbase_model: meta-llama/Llama-3.2-1B-Instruct\n" in card and ", 3 clients\n" in card
+    assert "| sorting | 12 | 4 | 12.50 (25.00) | 10.00 (-) | - (-) |" in card
+    assert "not among the clients scored" in model_card(cfg, "arithmetic", base, results)
+    assert "Not scored" in model_card(cfg, "arithmetic", base, None)

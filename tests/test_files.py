@@ -5,6 +5,7 @@ federations reproduced exactly as the natural partition by category."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 import re
 import shlex
 from pathlib import Path
@@ -346,3 +347,42 @@ def test_data_seed_draws_the_partition_and_defaults_to_split_seed(tmp_path):
     assert rows_of(shares("data.split_seed=1")) != rows_of(shares())  # unset: split_seed draws it, as before
     with pytest.raises(UserError, match="data.partition=natural draws nothing"):
         build_config(None, parse_set(["data.name=dolly", "data.seed=3"]))
+
+
+def test_after_partitioning_one_table_gives_each_clients_size_and_label_mix(tmp_path, caplog):
+    """Issue 42: each client's training examples counted by label (after the test hold-out and
+    max_train), in results.json's data info and in one logged table."""
+    import logging
+
+    rows = _rows(90, labels=("a", "b", "c"))
+    path = _write_all_formats(tmp_path, rows)["jsonl"]
+    label_of_prompt = {}
+    for r in rows:
+        label_of_prompt[r["q"] + (f"\n\nContext:\n{r['ctx']}" if r["ctx"] else "")] = r["who"]
+    opts = _opts(partition_by="who", spec=PartitionSpec("dirichlet", 3, 0.3, None, None, 7))
+    with caplog.at_level(logging.INFO, logger="pflalign.data.federate"):
+        clients, info = load_partitioned("files", str(path), None, 42, 20, None, opts)
+    table = [m for m in caplog.messages if m.startswith("client ")]
+    assert len(table) == 1
+    lines = table[0].splitlines()
+    assert lines[0].split() == ["client", "n_train", "n_test", "who", "mix", "(share", "of", "n_train)"]
+    skewed = False
+    for client, described, line in zip(clients, info["clients"], lines[1:], strict=True):
+        expected = Counter(label_of_prompt[e.prompt] for e in client.train)  # counted here from the rows
+        assert described["labels"] == dict(expected) and sum(expected.values()) == len(client.train) <= 20
+        top, n = expected.most_common(1)[0]
+        assert line.startswith(f"{client.task}  ") and f"{top} {100 * n / len(client.train):.0f}%" in line
+        assert line.split()[1:3] == [str(len(client.train)), str(len(client.test))]
+        skewed |= n / len(client.train) > 0.5
+    assert skewed  # alpha 0.3: not vacuous, some client is dominated by one label
+
+
+def test_mix_table_shows_the_first_clients_and_says_how_many_more():
+    from pflalign.data.federate import mix_table
+
+    clients = [{"name": f"client_{k:03d}", "n_train": 4, "n_test": 1, "labels": {"x": 3, "y": 1}} for k in range(25)]
+    text = mix_table(clients, "topic", rows=20, top=1)
+    assert text.splitlines()[1] == "client_000        4       1  x 75%, +1 more"
+    assert text.splitlines()[-1] == "... 5 more clients (results.json: data.clients)" and len(text.splitlines()) == 22
+    plain = [{"name": "client_000", "n_train": 4, "n_test": 1}]  # no label column (an iid split of unlabelled rows)
+    assert mix_table(plain, None).splitlines() == ["client      n_train  n_test", "client_000        4       1"]

@@ -116,3 +116,30 @@ def test_cluster_processes_import_the_callers_pflalign(tmp_path, monkeypatch):
     out = subprocess.run([sys.executable, "-c", "import sys; print(sys.path[1])"], env=procs.env, cwd=procs.root,
                          capture_output=True, text=True).stdout.strip()
     assert out == str(tmp_path / "src")
+
+
+def test_one_command_stops_the_local_superlink_flwr_left_running(tmp_path, capsys):
+    """Issue 42: `flwr run . local` leaves a simulation SuperLink listening on 127.0.0.1;
+    `python -m pflalign.flower.cluster stop-local` stops it (only the one of that FLWR_HOME).
+    Started here as `flwr` starts it (its --log-file under FLWR_HOME), on a free port."""
+    import psutil
+
+    from pflalign.flower import cluster as cl
+
+    home, other = tmp_path / "flwr-home", tmp_path / "other-home"
+    port = cl.free_port()
+    with cl.Processes(tmp_path / "procs") as procs:
+        args = [str(cl.BIN / "flower-superlink"), "--insecure", "--simulation", "--host", "127.0.0.1", "--port",
+                str(port), "--disable-runtime-dependency-installation", "--log-file",
+                str(home.joinpath(*cl.LOCAL_LOG))]
+        home.joinpath(cl.LOCAL_LOG[0]).mkdir(parents=True)
+        link = procs.start("superlink", args, port)
+        assert [p.pid for p in cl.local_superlinks(home)] == [link.pid]
+        assert cl.main(["stop-local", str(other)]) == 0 and link.poll() is None  # another home: left alone
+        assert "no local SuperLink" in capsys.readouterr().out
+        assert cl.main(["stop-local", str(home)]) == 0
+        assert f"pids {link.pid}" in capsys.readouterr().out
+        assert link.wait(timeout=30) is not None
+        assert not [c for c in psutil.net_connections(kind="inet")
+                    if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert procs.leftovers() == []

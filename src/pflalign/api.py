@@ -39,14 +39,25 @@ def config(preset: str | None = None, overrides: dict | None = None):
     return build_config(preset, nested)
 
 
-def run(cfg, out: str | Path, resume: bool = False, overwrite: bool = False, progress: bool = False,
+def run(cfg, out: str | Path, resume: bool = False, overwrite: bool = False, progress: bool = True,
         workers: int = 1) -> dict:
     """Run `cfg` into the folder `out` (as ``pflalign run``; `resume` continues an unfinished run
     there with its saved config) and return its results (results.json's dict). `workers` > 1: a
-    round's clients train in that many one-thread processes (``--workers``)."""
+    round's clients train in that many one-thread processes (``--workers``). `progress`: progress
+    bars on stderr, as ``pflalign run`` shows them (minutes of silence look like a hang); False
+    silences them, transformers' own bars too for the call (``--no-progress``)."""
+    from transformers.utils import logging as hf_logging
+
     from .engine import run as run_engine
 
-    return run_engine(cfg, Path(out), resume=resume, overwrite=overwrite, progress=progress, workers=workers)
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        return run_engine(cfg, Path(out), resume=resume, overwrite=overwrite, progress=progress, workers=workers)
+    finally:
+        if bars and not progress:
+            hf_logging.enable_progress_bar()
 
 
 @dataclass

@@ -40,7 +40,6 @@ def quiet_library_bars() -> None:
 
 def cmd_run(args) -> int:
     from .config import build_config, parse_set
-    from .engine import run
 
     overrides = parse_set(args.set or [])
     if args.data_dir is not None:
@@ -52,6 +51,9 @@ def cmd_run(args) -> int:
     if args.resume and (args.set or args.data_dir):
         raise UserError("--resume continues with the run's saved config; drop --set/--data-dir")
     cfg = None if args.resume else build_config(args.config, overrides)
+    # the engine (torch, transformers: seconds, more under load) only once the config is checked
+    from .engine import run
+
     if args.no_progress:
         quiet_library_bars()
     results = run(cfg, Path(args.out), resume=args.resume, overwrite=args.overwrite,

@@ -17,13 +17,10 @@ from .errors import UserError
 def cmd_export(args) -> int:
     from .export import export_run
 
-    written = export_run(Path(args.run_dir), Path(args.out), client=args.client, merged=args.merged)
+    written = export_run(Path(args.run_dir), Path(args.out), client=args.client, merged=args.merged,
+                         only_global=args.use_global, base_copy=args.base_copy and Path(args.base_copy))
     if args.base_copy:
-        from .export import write_base_copy
-        from .config import build_config
-
-        cfg = build_config(None, json.loads((Path(args.run_dir) / "config.json").read_text()))
-        print(f"base model: {write_base_copy(cfg.model, Path(args.base_copy))}")
+        print(f"base model: {Path(args.base_copy).expanduser()}")
     kind = "merged model" if args.merged else "adapter"
     for name, folder in written.items():
         print(f"{kind} {name}: {folder}")
@@ -31,13 +28,13 @@ def cmd_export(args) -> int:
 
 
 # ---- pflalign generate -------------------------------------------------------------
-def run_adapter_folders(run_dir: Path) -> dict[str, Path]:
-    """{"global" | client name: adapter folder} of a finished run's ``adapters/``."""
-    from .export import ADAPTER_CONFIG, ADAPTERS, GLOBAL, INFO
+def adapter_folders(root: Path) -> dict[str, Path]:
+    """{"global" | client name: adapter folder} of the adapter folders in `root` (a run's
+    ``adapters/`` or a `pflalign export` folder)."""
+    from .export import ADAPTER_CONFIG, GLOBAL, INFO
 
     folders = {}
-    root = Path(run_dir) / ADAPTERS
-    for sub in sorted(root.iterdir()) if root.is_dir() else []:
+    for sub in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
         if not (sub / ADAPTER_CONFIG).exists():
             continue
         try:
@@ -48,8 +45,42 @@ def run_adapter_folders(run_dir: Path) -> dict[str, Path]:
     return folders
 
 
+def run_adapter_folders(run_dir: Path) -> dict[str, Path]:
+    """{"global" | client name: adapter folder} of a finished run's ``adapters/``."""
+    from .export import ADAPTERS
+
+    return adapter_folders(Path(run_dir) / ADAPTERS)
+
+
+def exported_adapters(path: Path):
+    """(run config, {"global" | client: folder}) of an exported folder: `pflalign export`'s --out
+    (or a run's ``adapters/``), or one adapter folder; the config is the one each adapter's
+    pflalign.json records. None when `path` holds no adapter folder."""
+    from .config import build_config
+    from .export import ADAPTER_CONFIG, GLOBAL, INFO
+
+    path = Path(path)
+    if (path / ADAPTER_CONFIG).exists():  # one adapter folder
+        try:
+            client = json.loads((path / INFO).read_text()).get("client")
+        except (OSError, ValueError):
+            client = None
+        folders = {GLOBAL if client is None else client: path}
+    else:
+        folders = adapter_folders(path)
+    if not folders:
+        return None
+    try:
+        saved = json.loads((next(iter(folders.values())) / INFO).read_text())["config"]
+    except (OSError, ValueError, KeyError):
+        raise UserError(f"{path}: its adapters do not record their run's config (pflalign.json); generate "
+                        "from the run folder, or export it again") from None
+    return build_config(None, saved), folders
+
+
 def load_generator(run_dir: Path, client: str | None):
-    """(model with the adapter merged in, tokenizer, run config) for `client` (None: global)."""
+    """(model with the adapter merged in, tokenizer, run config) for `client` (None: global) of a
+    finished run, an exported folder or one adapter folder (`exported_adapters`)."""
     import warnings
 
     import torch
@@ -61,20 +92,25 @@ def load_generator(run_dir: Path, client: str | None):
     from .model import load_base_model
 
     run_dir = Path(run_dir)
-    if not (run_dir / ckpt.CONFIG).exists():
-        raise UserError(f"{run_dir} holds no run (no {ckpt.CONFIG})")
-    if not (run_dir / ckpt.RESULTS).exists():  # adapters/ of an earlier run may still be there: not these
+    exported = None if (run_dir / ckpt.CONFIG).exists() else exported_adapters(run_dir)
+    if exported is not None:
+        cfg, folders = exported
+    elif not (run_dir / ckpt.CONFIG).exists():
+        raise UserError(f"{run_dir} holds no run (no {ckpt.CONFIG}) and no exported adapters")
+    elif not (run_dir / ckpt.RESULTS).exists():  # adapters/ of an earlier run may still be there: not these
         raise UserError(f"{run_dir} holds no finished run (no {ckpt.RESULTS}); write the adapters of its "
                         f"checkpoint with: pflalign export {run_dir} --out DIR")
-    folders = run_adapter_folders(run_dir)
-    if not folders:
-        raise UserError(f"{run_dir} has no adapters (a run writes adapters/ when it finishes); "
-                        f"write them with: pflalign export {run_dir} --out {run_dir / 'adapters'}")
+    else:
+        folders = run_adapter_folders(run_dir)
+        if not folders:
+            raise UserError(f"{run_dir} has no adapters (a run writes adapters/ when it finishes); "
+                            f"write them with: pflalign export {run_dir} --out {run_dir / 'adapters'}")
+        cfg = build_config(None, json.loads((run_dir / ckpt.CONFIG).read_text()))
     name = GLOBAL if client is None else client
     if name not in folders:
-        known = ", ".join(n for n in folders if n != GLOBAL)
-        raise UserError(f"no client {client!r} in {run_dir}; clients: {known} (or --global)")
-    cfg = build_config(None, json.loads((run_dir / ckpt.CONFIG).read_text()))
+        known = ", ".join(n for n in folders if n != GLOBAL) or "none"
+        raise UserError(f"no {'global model' if name == GLOBAL else f'client {client!r}'} in {run_dir}; "
+                        f"clients: {known}" + (" (or --global)" if GLOBAL in folders else ""))
     base, tokenizer = load_base_model(cfg.model, getattr(torch, cfg.dtype))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -135,7 +171,11 @@ def cmd_generate(args) -> int:
     import torch
 
     if args.client is None and not args.use_global:
-        raise UserError("name a client with --client NAME, or --global for the global model")
+        one = exported_adapters(Path(args.run_dir)) if (Path(args.run_dir) / "adapter_config.json").exists() else None
+        if one is None:
+            raise UserError("name a client with --client NAME, or --global for the global model")
+        args.client = next(iter(one[1]))  # one adapter folder: its own model
+        args.client = None if args.client == "global" else args.client
     if args.client is not None and args.use_global:
         raise UserError("--client and --global exclude each other")
     if args.max_new_tokens <= 0:
@@ -159,14 +199,17 @@ def register(sub) -> None:
     export.add_argument("run_dir", help="a finished or checkpointed run directory")
     export.add_argument("--out", required=True, help="folder for global/ and one folder per client")
     export.add_argument("--client", metavar="NAME", help="only this client's personalized model")
+    export.add_argument("--global", dest="use_global", action="store_true", help="only the global model")
     export.add_argument("--merged", action="store_true",
                         help="full Hugging Face model folders with LoRA folded in (AutoModelForCausalLM alone loads them)")
     export.add_argument("--base-copy", metavar="DIR",
-                        help="also write the base model as a safetensors model folder into DIR (once: kept if there)")
+                        help="also write the base model as a safetensors model folder into DIR (once: kept if there); "
+                             "the adapters name it as their base")
     export.set_defaults(func=cmd_export)
 
     gen = sub.add_parser("generate", help="generate with a finished run's personalized or global model")
-    gen.add_argument("run_dir", help="a finished run directory (with adapters/)")
+    gen.add_argument("run_dir", help="a finished run directory (with adapters/), a `pflalign export` folder, "
+                                     "or one adapter folder")
     gen.add_argument("prompt", nargs="?", help="the prompt; without it, prompts are read from stdin, one per line")
     gen.add_argument("--client", metavar="NAME", help="the client whose personalized model answers")
     gen.add_argument("--global", dest="use_global", action="store_true", help="the global model answers")

@@ -326,7 +326,7 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         add_exact_match(results, predictions)  # beside ROUGE-L, from the same outputs
         # the models as evaluated, as PEFT adapter folders (export.py), before results.json marks the run finished
         try:
-            export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated())
+            export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated(), results)
         except ckpt.DiskFull as exc:  # the checkpoint is whole: a resume scores the clients again and writes them
             raise ckpt.DiskFull(f"{exc}; the checkpoint after round {rec.saved[0]} is intact; free some space, "
                                 "then continue with --resume (same --out)") from None

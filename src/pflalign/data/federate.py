@@ -207,6 +207,7 @@ def make_clients(
     if result.unassigned:
         dropped[f"left over by the {spec.method} partitioner"] += len(result.unassigned)
     out: list[TaskData] = []
+    mixes: list[Counter[str]] = []  # each client's training examples by label (the mix table)
     for part in result.partitions:
         mine = [examples[i] for i in part.rows]
         if mode == "per_client":
@@ -220,6 +221,9 @@ def make_clients(
         else:
             train, test = mine, list(shared_test)
         out.append(TaskData(task=part.name, train=train[:max_train], test=test[:max_test]))
+        if labels is not None:
+            label_of = {id(examples[i]): labels[i] for i in part.rows}  # the examples are the rows' own objects
+            mixes.append(Counter(label_of[id(e)] for e in out[-1].train))
 
     info = {
         **{k: v for k, v in table.info.items() if k != "dropped"},
@@ -230,14 +234,38 @@ def make_clients(
                      "per_client": f"per_client (seeded {options.test_fraction:g} hold-out)",
                      "global": "global"}[mode],
         "dropped": dict(sorted(dropped.items())),
-        "clients": [{"name": c.task, "n_train": len(c.train), "n_test": len(c.test)} for c in out],
+        "clients": [{"name": c.task, "n_train": len(c.train), "n_test": len(c.test),
+                     **({"labels": dict(mixes[k].most_common())} if mixes else {})} for k, c in enumerate(out)],
     }
     if spec.method == "dirichlet":
         info["alpha"] = spec.alpha
     log.info("%d clients (%s partition%s), test set %s; dropped rows: %s", len(out), spec.method,
              f" by {label_name}" if labels is not None else "", info["test_set"],
              ", ".join(f"{n} ({r})" for r, n in info["dropped"].items()) or "none")
+    log.info("%s", mix_table(info["clients"], info["partition_by"]))
     return out, info
+
+
+def mix_table(clients: list[dict], label_name: str | None, rows: int = 20, top: int = 3) -> str:
+    """The clients' sizes and label mixes as one text table (the first `rows` clients; the
+    `top` labels of each by share of its training examples, counted after the test hold-out and
+    data.max_train: what it trains on). flwr-datasets' `compute_counts` counts a partitioner's
+    partitions, before those cuts, so the counts are taken here."""
+    width = max([len("client")] + [len(c["name"]) for c in clients[:rows]])
+    head = f"{'client':<{width}}  {'n_train':>7}  {'n_test':>6}" + (f"  {label_name} mix (share of n_train)"
+                                                                    if label_name else "")
+    lines = [head]
+    for c in clients[:rows]:
+        line = f"{c['name']:<{width}}  {c['n_train']:>7}  {c['n_test']:>6}"
+        mix = c.get("labels")
+        if mix:
+            shown = [f"{label} {100 * n / c['n_train']:.0f}%" for label, n in list(mix.items())[:top]]
+            more = len(mix) - top
+            line += "  " + ", ".join(shown) + (f", +{more} more" if more > 0 else "")
+        lines.append(line.rstrip())
+    if len(clients) > rows:
+        lines.append(f"... {len(clients) - rows} more clients (results.json: data.clients)")
+    return "\n".join(lines)
 
 
 def _n_test(n: int, fraction: float) -> int:

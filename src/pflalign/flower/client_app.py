@@ -317,5 +317,6 @@ def evaluate(msg: Message, context: Context) -> Message:
              "base": outputs["base"][j] if "base" in outputs else None}
             for j, ex in enumerate(test)])
         # this client's personalized model as evaluated, as a PEFT adapter folder: it stays on this node
-        export.write_adapters(folder / export.ADAPTERS, cfg, {client.name: personal}, {"method": cfg.method})
+        export.write_adapters(folder / export.ADAPTERS, cfg, {client.name: personal}, {"method": cfg.method},
+                              {"clients": [{"task": client.name, **dict(reply["metrics"])}]})  # its model card's scores
     return Message(RecordDict(reply), reply_to=msg)

@@ -20,6 +20,14 @@ free ones picked at start. Each process logs to ``root/<name>.log``.
         log = cluster.finish("run")
     finally:
         cluster.close()
+
+(or ``with Cluster(...) as cluster:``, which closes it however the block ends).
+
+Flower's own ``local`` connection (``flwr run . local``, docs/distributed.md) starts a
+simulation SuperLink on 127.0.0.1 that outlives the run; one command stops it, with
+what it started:
+
+    python -m pflalign.flower.cluster stop-local     # $FLWR_HOME, else ~/.flwr
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ import tomllib
 from pathlib import Path
 
 import psutil
+
+LOCAL_LOG = ("local-superlink", "superlink.log")  # where `flwr` points its managed SuperLink's --log-file
 
 BIN = Path(sys.executable).parent  # flwr, flower-superlink, flower-supernode, flower-superexec
 ENV = {
@@ -161,6 +171,12 @@ class Processes:
         for proc in self.procs.values():
             proc.wait(timeout=30)
         psutil.wait_procs([p for p in self.seen.values() if alive(p)], timeout=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def leftovers(self) -> list[str]:
         """Processes of ours still running, and our ports still listening (after `close`: none)."""
@@ -296,3 +312,67 @@ class Cluster(Processes):
             federation += f" init-args-num-cpus={self.runtime_cpus}" if self.runtime_cpus else ""
             args += ["--federation-config", federation]
         return self.start(name, args)
+
+
+# ---- Flower's managed local SuperLink ------------------------------------------------------
+def flwr_home() -> Path:
+    """Flower's home folder: $FLWR_HOME, else ~/.flwr (as `flwr` decides it)."""
+    return Path(os.environ.get("FLWR_HOME") or Path.home() / ".flwr")
+
+
+def local_superlinks(home: Path | None = None) -> list[psutil.Process]:
+    """The SuperLinks that `flwr` started for its ``local`` connection of `home` (this user's
+    ``flower-superlink --simulation`` processes logging to ``home/local-superlink/superlink.log``)."""
+    log = str(Path(home or flwr_home()).expanduser().absolute().joinpath(*LOCAL_LOG))
+    found = []
+    for p in psutil.process_iter(["cmdline", "uids"]):
+        cmd = p.info["cmdline"] or []
+        if p.info["uids"] is None or p.info["uids"].real != os.getuid():
+            continue
+        if any(Path(c).name == "flower-superlink" for c in cmd[:2]) and "--simulation" in cmd \
+                and "--log-file" in cmd[:-1] and cmd[cmd.index("--log-file") + 1] == log:
+            found.append(p)
+    return found
+
+
+def stop_local_superlink(home: Path | None = None, timeout: float = 20) -> list[int]:
+    """Stop `flwr`'s local SuperLink of `home` and every process it started (SIGTERM, then
+    SIGKILL after `timeout` s); the pids stopped (none: none was running)."""
+    family = []
+    for link in local_superlinks(home):
+        try:
+            family += [link, *link.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    for p in family:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, left = psutil.wait_procs(family, timeout=timeout)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(left, timeout=timeout)
+    return [p.pid for p in family]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pflalign.flower.cluster stop-local [FLWR_HOME]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pflalign.flower.cluster")
+    sub = parser.add_subparsers(dest="command", required=True)
+    stop = sub.add_parser("stop-local", help="stop the SuperLink that `flwr run . local` left running on 127.0.0.1")
+    stop.add_argument("home", nargs="?", help="Flower's home folder (default $FLWR_HOME, else ~/.flwr)")
+    args = parser.parse_args(argv)
+    pids = stop_local_superlink(Path(args.home) if args.home else None)
+    print(f"stopped the local SuperLink and what it started: pids {', '.join(map(str, pids))}" if pids
+          else "no local SuperLink of this user is running")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -104,7 +104,7 @@ def run(grid: Grid, rc: dict) -> dict:
                   lambda r: round_eval(grid, strategy, r, timeout, rec), lambda: checkpoint(strategy), after)
         train_seconds, tic = time.perf_counter() - tic, time.perf_counter()
         results = evaluate(grid, strategy, timeout)
-        export.write_run_adapters(rec.out, cfg, {export.GLOBAL: strategy.global_params})  # the global adapter; the clients write theirs
+        export.write_run_adapters(rec.out, cfg, {export.GLOBAL: strategy.global_params}, results)  # the global adapter; the clients write theirs
         results = rec.finish(results, train_seconds, time.perf_counter() - tic)
     except RoundFailed as exc:
         raise RoundFailed(f"{str(exc).rstrip('.')}. The checkpoint after round {rec.saved[0]} is in {rec.out}; once "
