@@ -484,7 +484,7 @@ def test_a_resumed_run_keeps_its_privacy_options(tmp_path):
 
     started = privacy.from_run_config({"dp-clipping-norm": 1.0, "dp-noise-multiplier": 0.5})
     strategy = SimpleNamespace(global_params={"w": torch.ones(2)}, server_state={}, experiment="e",
-                               rounds_done={0: 1}, noise_std={0: 0.125}, privacy=started)
+                               rounds_done={0: 1}, noise_std={0: 0.125}, n_train={0: 10}, privacy=started)
     ckpt.save_checkpoint(tmp_path / "c.pt", checkpoint(strategy))
     saved = ckpt.load_checkpoint(tmp_path / "c.pt")["flower"]["privacy"]
 

@@ -185,6 +185,11 @@ def test_an_overwrite_failing_before_its_first_checkpoint_restores_the_old_clien
     assert json.loads((out / ckpt.RESULTS).read_text())["method"] == "pflalign"
 
 
+def _placed(name: str) -> str:
+    """The folder an adapter is written for: export writes ".NAME.tmp" beside it, then renames it in."""
+    return name.removeprefix(".").removesuffix(".tmp")
+
+
 def test_export_reads_one_client_at_a_time(tmp_path, monkeypatch):
     """`pflalign export` writes each client's adapter right after reading its file: it never
     holds every client's tensors at once (with many clients they would not fit)."""
@@ -196,7 +201,7 @@ def test_export_reads_one_client_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(client_store.ClientStore, "load",
                         lambda self, k, device: events.append(("read", k)) or load(self, k, device))
     monkeypatch.setattr(export, "write_adapter",
-                        lambda folder, *a, **kw: events.append(("write", folder.name)) or write(folder, *a, **kw))
+                        lambda folder, *a, **kw: events.append(("write", _placed(folder.name))) or write(folder, *a, **kw))
     export.export_run(tmp_path / "run", tmp_path / "out")
     assert events == [("write", "global")] + [e for k, name in enumerate(FOUR) for e in (("read", k), ("write", name))]
     events.clear()

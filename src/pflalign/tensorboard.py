@@ -23,11 +23,11 @@ resumed run writes a new event file; TensorBoard shows the newest value of a ste
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 from .errors import UserError
+from .settings import to_dict
 
 FOLDER = "tensorboard"
 
@@ -152,4 +152,4 @@ def wrap(metrics, cfg, out: Path, names: dict[int, str] | None = None):
     if not getattr(getattr(cfg, "log", None), "tensorboard", False):
         return metrics
     check(cfg)
-    return TensorBoardTee(metrics, Path(out) / FOLDER, names, dataclasses.asdict(cfg))
+    return TensorBoardTee(metrics, Path(out) / FOLDER, names, to_dict(cfg))  # config.json's keys
