@@ -243,3 +243,26 @@ def test_a_run_that_blows_up_stops_alone_and_the_sweep_goes_on(sweep_file, tmp_p
     assert "blowup/fedavg/seed0 (" in err and "blowup/pflalign/seed0 (" in err
     assert [r.state() for r in runs][2:] == ["finished", "finished"]
     assert not any((r.out / ckpt.RESULTS).exists() for r in runs[:2])
+
+
+def test_issue_38s_grid_files_plan_and_the_committed_runs_are_theirs(tmp_path):
+    """docs/results/pflalign-analysis: every phase file plans (a typo there would stop the
+    background grid hours in), and every committed run is a finished run of one of them, or
+    the `pflalign rescore` of one (its "personalized=after_aggregation" sibling)."""
+    here = Path(__file__).resolve().parents[1] / "docs" / "results" / "pflalign-analysis"
+    (tmp_path / "flan").mkdir()
+    finished = set()
+    for phase, done in (("validation", "validation/runs"), ("matched", "runs"), ("components", "runs"),
+                        ("validated", "runs"), ("curves", "runs")):
+        if not (here / f"{phase}.toml").exists():  # written once the runs before it have decided its values
+            continue
+        runs = plan_sweep(str(here / f"{phase}.toml"), tmp_path / phase, data_dir=str(tmp_path / "flan"),
+                          done=[here / done])
+        assert runs and all(r.cfg.data.name == "flan" for r in runs)
+        finished |= {f"{done}/{r.key}" for r in runs if r.state() == "finished"}
+    validation = plan_sweep(str(here / "validation.toml"), tmp_path / "v", data_dir=str(tmp_path / "flan"))
+    assert len(validation) == 35 and {r.cfg.rounds for r in validation} == {10}
+    assert {r.cfg.lr for r in validation} == {0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32}
+    committed = {p.parent.relative_to(here).as_posix() for p in here.rglob(ckpt.RESULTS)}
+    rescored = {c for c in committed if "personalized=after_aggregation" in c}
+    assert committed - rescored <= finished, sorted(committed - rescored - finished)
