@@ -161,3 +161,24 @@ def test_prompts_longer_than_max_seq_len_are_truncated_counted_and_reported(capl
     results = json.loads((out / "results.json").read_text())
     assert results["truncated_train_examples"] == 8  # every one of the 2 x 4 training examples
     assert "8 training examples exceeded max_seq_len=8 and were truncated" in caplog.messages
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(monkeypatch):
+    """`pflalign methods -l | head -1`: the pipe closes before the list is written (a stdout whose
+    write fails so, and which has a real file descriptor for the redirect)."""
+    import io
+    import os
+    import sys
+
+    from pflalign.cli import main
+
+    read, write = os.pipe()
+
+    class ClosedPipe(io.TextIOWrapper):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    out = ClosedPipe(io.FileIO(write, "w", closefd=False))
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["methods", "-l"]) == 141  # no exception: the shell's code for a closed pipe
+    os.close(read), os.close(write)

@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # a run says where it stopped and how to resume
         print(f"pflalign: {exc}" if isinstance(exc, RunInterrupted) else "pflalign: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `pflalign methods -l | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush must not fail again
+        return 141
 
 
 if __name__ == "__main__":
