@@ -17,7 +17,8 @@ copy() {  # copy SRC_ROOT DST_ROOT
 }
 copy "$RUNS-val" "$here/validation/runs"
 copy "$RUNS" "$here/runs"
-"$PFL" report "$here/validation/runs" --out "$here/validation" >/dev/null && echo "report: $here/validation"
+rel=${here#"$repo"/}  # relative paths: the committed report names no machine's folders
+"$PFL" report "$rel/validation/runs" --out "$rel/validation" >/dev/null && echo "report: $rel/validation"
 if ls "$here"/runs/flan/*/seed*/results.json >/dev/null 2>&1; then
-  "$PFL" report "$here/runs" --out "$here" >/dev/null && echo "report: $here"  # paired against pFLAlign where it ran
+  "$PFL" report "$rel/runs" --out "$rel" >/dev/null && echo "report: $rel"  # paired against pFLAlign where it ran
 fi
