@@ -69,3 +69,18 @@ def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
         assert row["generate"]["tokens_per_s"] > 0 and row["generate"]["rows"] == 4
     assert report["speed"]["llama-3.2-1b"]["train_profile"]["top"][0]["ms"] > 0
     assert report["bill"]["llama-3.2-1b"]["table1_flan_hours"] > 0
+
+
+def test_the_eval_batch_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_eval_batch.py at toy sizes: one timing per batch size, every row answered."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "b.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_eval_batch.py"), "--device", "cpu",
+                           "--out", str(out)], env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(map(int, rows)) == [4, 8]
+    assert all(r["tokens_per_s"] > 0 and r["rows"] == int(k) for k, r in rows.items())
