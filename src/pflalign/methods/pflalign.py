@@ -151,7 +151,7 @@ class PFLAlign(Method):
                 step = P * g if self.args.precondition else g
                 correction = gamma * delta if self.args.personal_init else None
                 sums += torch.stack([_square_sum(g), _square_sum(step),
-                                     _square_sum(correction) if correction is not None else sums[2] * 0])
+                                     _square_sum(correction) if correction is not None else sums.new_zeros(())])
                 if self.args.personal_init:
                     stats["gamma_sum"] += gamma.sum(dtype=torch.float64)
                     stats["gamma_count"] += gamma.numel()
