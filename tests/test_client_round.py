@@ -139,7 +139,7 @@ class ScriptedLM(QuadraticLM):
 class NaNUpdate(METHODS["fedavg"]):
     """FedAvg whose message holds a NaN that neither the loss, the gradients nor the weights show."""
 
-    def client_end(self, global_params, params, state):
+    def client_end(self, global_params, params, state, scratch):
         return {"params": {n: torch.full_like(w, float("nan")) for n, w in params.items()}}
 
 
