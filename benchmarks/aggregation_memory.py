@@ -57,8 +57,8 @@ def one(participants: int, data_dir: Path, lora_r: int, method: str) -> dict:
         live, peak = {}, [0]  # message id → its bytes while any of its tensors lives
         client_end = fed.method.client_end
 
-        def tracked(global_params, params, state):
-            message = client_end(global_params, params, state)
+        def tracked(global_params, params, state, scratch):
+            message = client_end(global_params, params, state, scratch)
             tensors = [t for ts in message.values() for t in ts.values()]
             key = id(message)
             live[key] = sum(t.numel() * t.element_size() for t in tensors)

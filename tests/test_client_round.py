@@ -139,7 +139,7 @@ class ScriptedLM(QuadraticLM):
 class NaNUpdate(METHODS["fedavg"]):
     """FedAvg whose message holds a NaN that neither the loss, the gradients nor the weights show."""
 
-    def client_end(self, global_params, params, state):
+    def client_end(self, global_params, params, state, scratch):
         return {"params": {n: torch.full_like(w, float("nan")) for n, w in params.items()}}
 
 
@@ -161,6 +161,24 @@ def test_non_finite_values_stop_the_round_naming_what_and_when(second_step, meth
     with pytest.raises(TrainingDiverged, match=rf"non-finite value in {what} at round 3, local step 2 \(lr=10\): "
                                                r"try a lower learning rate$"):
         local_round(lm, rule, {}, glob, {}, [{}, {}], 10.0, 2)
+
+
+@pytest.mark.parametrize("method", ["pflalign", "scaffold", "fedgloss"])
+def test_a_round_that_stops_midway_leaves_no_scratch_in_the_state(method):
+    """The round's scratch (pFLAlign's m, SCAFFOLD's c and Σ η, FedGloSS's w̃) is not part of the
+    client state, so a round that raises between `client_start` and `client_end` leaves the state
+    with its persistent groups only (when the scratch lived in the state, client_end removed it,
+    and a diverged round left it there)."""
+    from pflalign.errors import TrainingDiverged
+
+    glob = {"w": torch.tensor([1.0, -1.0], dtype=torch.float64)}
+    rule = METHODS[method]()
+    state = rule.init_client_state(glob)
+    groups = set(state)
+    received = rule.broadcast(glob, rule.init_server_state(glob))
+    with pytest.raises(TrainingDiverged):
+        local_round(ScriptedLM([(1.0, [0.1, 0.1]), (NAN, [0.0, 0.0])]), rule, state, glob, received, [{}, {}], 0.1, 0)
+    assert set(state) == groups
 
 
 class LoraPairLM:

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pflalign.methods import METHODS, FedAvg
-from pflalign.methods.base import Method, RoundContext, clone, data_weights, weighted_average, zeros_like
+from pflalign.methods.base import RoundContext, clone, data_weights, weighted_average, zeros_like
 
 from toy import quadratic, simulate
 
@@ -94,8 +94,8 @@ def test_weighted_average_of_one_model_or_of_copies_is_that_model(models, data):
 
 
 AVERAGING = sorted(name for name, cls in METHODS.items()  # FedAvg's server rule: the default sum, as it is
-                   if cls.aggregation_sums is Method.aggregation_sums
-                   and cls.finish_aggregation is Method.finish_aggregation)
+                   if cls.aggregation_sums is FedAvg.aggregation_sums
+                   and cls.finish_aggregation is FedAvg.finish_aggregation)
 
 
 @PROPERTY

@@ -60,10 +60,11 @@ def run_rounds(method, rounds, w0):
         received = method.broadcast(glob, server_state)
         messages = []
         for k in range(2):
-            params = method.client_start(glob, states[k], received)
+            scratch = method.new_scratch()
+            params = method.client_start(glob, states[k], received, scratch)
             for t in range(T):
-                method.local_step(params, lambda: grads[k](params), states[k], StepContext(r, t, T, LR, glob))
-            messages.append(method.client_end(glob, params, states[k]))
+                method.local_step(params, lambda: grads[k](params), states[k], StepContext(r, t, T, LR, glob, scratch=scratch))
+            messages.append(method.client_end(glob, params, states[k], scratch))
         glob = method.aggregate(glob, messages, WEIGHTS, server_state, RoundContext(r, N_CLIENTS, [0, 1]))
     return glob, server_state, states
 

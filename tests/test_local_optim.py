@@ -232,9 +232,10 @@ def test_every_method_that_takes_adamw_steps_through_the_optimizer(name):
         return loss, {**grads, **{n: 0.5 * params[n] for n in init if n != "w"}}
 
     state = method.init_client_state(init)
-    params = method.client_start(init, state, method.broadcast(init, method.init_server_state(init)))
+    scratch = method.new_scratch()
+    params = method.client_start(init, state, method.broadcast(init, method.init_server_state(init)), scratch)
     spy = Spy()
-    ctx = StepContext(round=0, step=0, num_steps=2, lr=0.1, global_params=init, optimizer=spy)
+    ctx = StepContext(round=0, step=0, num_steps=2, lr=0.1, global_params=init, optimizer=spy, scratch=scratch)
     method.local_step(params, grad_fn, state, ctx)
     assert sorted(spy.names) == sorted(n for n in init if method.trains(n))
 

@@ -53,7 +53,7 @@ def test_ffa_lora_sends_b_only_and_averages_it_by_weight():
     method, init = FFALoRA(), lora_init()
     b0, b1 = torch.full((OUT, R), 1.0, dtype=torch.float64), torch.full((OUT, R), 5.0, dtype=torch.float64)
     params = {A: init[A].clone(), B: b0}
-    assert set(method.client_end(init, params, {})["params"]) == {B}
+    assert set(method.client_end(init, params, {}, {})["params"]) == {B}
     new = method.aggregate(init, [{"params": {B: b0}}, {"params": {B: b1}}], [0.25, 0.75], {}, RoundContext(0, 2, [0, 1]))
     assert torch.equal(new[B], torch.full((OUT, R), 4.0, dtype=torch.float64))
     assert torch.equal(new[A], init[A]) and new[A] is not init[A]
@@ -92,12 +92,13 @@ def test_fedsa_lora_never_starts_from_an_averaged_b():
         messages = []
         for k in range(2):
             own_b = states[k]["B"][B].clone()
-            params = method.client_start(glob, states[k], {})
+            scratch = method.new_scratch()
+            params = method.client_start(glob, states[k], {}, scratch)
             assert torch.equal(params[B], own_b)  # its own B, whatever the global B is
             assert torch.equal(params[A], glob[A])  # the shared A
             for t in range(3):
-                method.local_step(params, lambda: grads[k](params), states[k], StepContext(r, t, 3, 0.1, glob))
-            messages.append(method.client_end(glob, params, states[k]))
+                method.local_step(params, lambda: grads[k](params), states[k], StepContext(r, t, 3, 0.1, glob, scratch=scratch))
+            messages.append(method.client_end(glob, params, states[k], scratch))
             assert B not in messages[-1]["shared"]  # B is not part of what is aggregated
         glob = method.aggregate(glob, messages, [0.5, 0.5], {}, RoundContext(r, 2, [0, 1]))
         assert not torch.equal(glob[B], states[0]["B"][B]) and not torch.equal(glob[B], states[1]["B"][B])

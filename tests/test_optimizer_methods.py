@@ -33,11 +33,12 @@ def run_round(method, glob, states, server_state, participants, num_clients, gra
     received = method.broadcast(glob, server_state)
     messages = []
     for k in participants:
-        params = method.client_start(glob, states[k], received)
+        scratch = method.new_scratch()
+        params = method.client_start(glob, states[k], received, scratch)
         for t in range(steps):
-            ctx = StepContext(round=r, step=t, num_steps=steps, lr=lr, global_params=glob)
+            ctx = StepContext(round=r, step=t, num_steps=steps, lr=lr, global_params=glob, scratch=scratch)
             method.local_step(params, lambda: grad_of[k](params), states[k], ctx)
-        messages.append(method.client_end(glob, params, states[k]))
+        messages.append(method.client_end(glob, params, states[k], scratch))
     return method.aggregate(glob, messages, weights, server_state, RoundContext(r, num_clients, participants))
 
 
@@ -332,7 +333,7 @@ def test_local_never_changes_the_global_and_clients_continue_their_own_model():
         expected = C[k] + (1 - lr * A[k]) ** (R * T) * (w0["w"] - C[k])
         assert personal[k]["w"].tolist() == pytest.approx(expected.tolist(), rel=1e-12)
         assert torch.equal(states[k]["model"]["w"], personal[k]["w"])
-        assert torch.equal(Local().client_start(glob, states[k], {})["w"], personal[k]["w"])
+        assert torch.equal(Local().client_start(glob, states[k], {}, {})["w"], personal[k]["w"])
 
 
 # ---- all new methods: registry, state, arguments ---------------------------------
@@ -381,12 +382,10 @@ def test_arguments_reach_the_methods_through_the_config():
 @pytest.mark.parametrize("cls", [FedProx, FedSAM])
 def test_fedavg_variants_change_only_the_client_step(cls):
     """FedProx and FedSAM are FedAvg with another local step (their papers' server rule is
-    FedAvg's data-weighted mean): subclasses of FedAvg whose classes, up to Method, define no
+    FedAvg's data-weighted mean): subclasses of FedAvg whose classes, up to FedAvg, define no
     rule but `local_step`."""
-    from pflalign.methods.base import Method
-
     assert issubclass(cls, FedAvg)
-    mro = cls.__mro__[:cls.__mro__.index(Method)]
+    mro = cls.__mro__[:cls.__mro__.index(FedAvg)]
     rules = {n for klass in mro for n, v in vars(klass).items()
              if n != "Args" and not n.startswith("__") and (callable(v) or isinstance(v, (classmethod, staticmethod)))}
     assert rules == {"local_step"}

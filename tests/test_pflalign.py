@@ -63,19 +63,20 @@ def test_two_rounds_match_hand_computation():
     hand_state = {"delta": [0.0, 0.0], "v": [0.0, 0.0], "P": [0.0, 0.0]}
     gammas_seen = []
     for r in range(2):
-        params = method.client_start(global_params, state, {})
+        scratch = method.new_scratch()
+        params = method.client_start(global_params, state, {}, scratch)
         expected_start = [hand_global[i] + hand_state["delta"][i] for i in range(2)]
         assert params["w"].tolist() == pytest.approx(expected_start, abs=1e-15)
         hand_w, trace = hand_round(hand_global, hand_state)
         for t in range(T):
-            ctx = StepContext(round=r, step=t, num_steps=T, lr=LR, global_params=global_params)
+            ctx = StepContext(round=r, step=t, num_steps=T, lr=LR, global_params=global_params, scratch=scratch)
             method.local_step(params, quadratic_grad_fn(params), state, ctx)
-            assert state["m"]["w"].tolist() == pytest.approx(trace[t]["m"], rel=1e-12)
+            assert scratch["m"]["w"].tolist() == pytest.approx(trace[t]["m"], rel=1e-12)
             assert state["v"]["w"].tolist() == pytest.approx(trace[t]["v"], rel=1e-12)
             assert state["P"]["w"].tolist() == pytest.approx(trace[t]["P"], rel=1e-12)
             assert params["w"].tolist() == pytest.approx(trace[t]["w"], rel=1e-12)
             gammas_seen.append(trace[t]["gamma"])
-        message = method.client_end(global_params, params, state)
+        message = method.client_end(global_params, params, state, scratch)
         assert "m" not in state  # m is per round, not persistent
         assert state["delta"]["w"].tolist() == pytest.approx(hand_state["delta"], rel=1e-12)
         global_params = method.aggregate(global_params, [message], [1.0], {}, RoundContext(r, 1, [0]))
@@ -97,12 +98,13 @@ def test_round_metrics_match_hand_computation():
     hand_global, hand_state = list(W0), {"delta": [0.0, 0.0], "v": [0.0, 0.0], "P": [0.0, 0.0]}
     for r in range(2):
         delta_start = list(hand_state["delta"])
-        params = method.client_start(global_params, state, {})
+        scratch = method.new_scratch()
+        params = method.client_start(global_params, state, {}, scratch)
         hand_w, trace = hand_round(hand_global, hand_state)
         for t in range(T):
-            method.local_step(params, quadratic_grad_fn(params), state, StepContext(r, t, T, LR, global_params))
-        got = method.round_metrics(global_params, params, state)
-        message = method.client_end(global_params, params, state)
+            method.local_step(params, quadratic_grad_fn(params), state, StepContext(r, t, T, LR, global_params, scratch=scratch))
+        got = method.round_metrics(global_params, params, state, scratch)
+        message = method.client_end(global_params, params, state, scratch)
         assert "round_stats" not in state  # scratch, not persistent
         global_params, hand_global = message["params"], hand_w
     assert params["w"].tolist() == pytest.approx(hand_w, rel=1e-12)
@@ -122,9 +124,10 @@ def test_round_metrics_match_hand_computation():
     # P ≡ 1 steps like SGD: the ratio is 1 and P's distribution is not reported
     plain = METHODS["pflalign-no-precond"]()
     state = plain.init_client_state(global_params)
-    params = plain.client_start(global_params, state, {})
-    plain.local_step(params, quadratic_grad_fn(params), state, StepContext(0, 0, T, LR, global_params))
-    got = plain.round_metrics(global_params, params, state)
+    scratch = plain.new_scratch()
+    params = plain.client_start(global_params, state, {}, scratch)
+    plain.local_step(params, quadratic_grad_fn(params), state, StepContext(0, 0, T, LR, global_params, scratch=scratch))
+    got = plain.round_metrics(global_params, params, state, scratch)
     assert got["step_ratio"] == 1.0 and "P_mean" not in got
 
 
@@ -144,9 +147,10 @@ def test_first_step_preconditioner_is_one_minus_beta_squared():
     method = PFLAlign()
     params = {"w": torch.tensor([0.3, -7.0, 2e-3], dtype=torch.float64)}
     state = method.init_client_state(params)
-    params = method.client_start(params, state, {})
+    scratch = method.new_scratch()
+    params = method.client_start(params, state, {}, scratch)
     grads = {"w": torch.tensor([1.0, -4.0, 0.05], dtype=torch.float64)}
-    method.local_step(params, lambda: (0.0, grads), state, StepContext(0, 0, 5, 0.1, params))
+    method.local_step(params, lambda: (0.0, grads), state, StepContext(0, 0, 5, 0.1, params, scratch=scratch))
     assert state["P"]["w"].tolist() == pytest.approx([0.01] * 3, rel=1e-6)
 
 
@@ -167,11 +171,12 @@ def _one_round(method, delta_value, steps=3):
     glob = {"w": torch.tensor([0.2, 0.4], dtype=torch.float64)}
     state = method.init_client_state(glob)
     state["delta"]["w"] = torch.tensor(delta_value, dtype=torch.float64)
-    params = method.client_start(glob, state, {})
+    scratch = method.new_scratch()
+    params = method.client_start(glob, state, {}, scratch)
     start = params["w"].clone()
     for t in range(steps):
         grads = {"w": g["w"] * (1 + 0.1 * t)}
-        method.local_step(params, lambda: (0.0, grads), state, StepContext(0, t, steps, 0.1, glob))
+        method.local_step(params, lambda: (0.0, grads), state, StepContext(0, t, steps, 0.1, glob, scratch=scratch))
     return start, params["w"]
 
 
@@ -211,13 +216,14 @@ def test_preconditioner_is_capped_by_beta_even_with_perfectly_consistent_gradien
     grads = {"w": torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)}  # the same gradient every step
     state = method.init_client_state(w)
     for r in range(300):
-        params = method.client_start(w, state, {})
+        scratch = method.new_scratch()
+        params = method.client_start(w, state, {}, scratch)
         ratios = []
         for t in range(5):
-            method.local_step(params, lambda: (0.0, grads), state, StepContext(r, t, 5, 0.0, w))
+            method.local_step(params, lambda: (0.0, grads), state, StepContext(r, t, 5, 0.0, w, scratch=scratch))
             ratios.append(state["P"]["w"].tolist())
-        metrics = method.round_metrics(w, params, state)
-        method.client_end(w, params, state)
+        metrics = method.round_metrics(w, params, state, scratch)
+        method.client_end(w, params, state, scratch)
         state["delta"]["w"].zero_()  # lr 0: nothing moves; keep the personal offset out of it
     assert ratios[-1] == pytest.approx([cap] * 3, abs=1e-4)  # every coordinate alike: P does not see |g|
     assert metrics["step_ratio"] == pytest.approx(mean_step, abs=1e-4) and metrics["P_max"] == pytest.approx(cap, abs=1e-4)

@@ -257,9 +257,9 @@ def test_the_engine_holds_one_clients_message_at_a_time(tmp_path, monkeypatch, m
     earlier, alive_at_end = [], []  # weak references to the messages' tensors, per client
     client_end = fed.method.client_end
 
-    def spy(global_params, params, state):
+    def spy(global_params, params, state, scratch):
         alive_at_end.append(sum(tensors_alive(refs) for refs in earlier))
-        message = client_end(global_params, params, state)
+        message = client_end(global_params, params, state, scratch)
         earlier.append([weakref.ref(t) for ts in message.values() for t in ts.values()])
         return message
 

@@ -32,9 +32,10 @@ def _one_step(name):
     glob = {"w": torch.tensor(W_GLOBAL, dtype=torch.float64)}
     state = method.init_client_state(glob)
     state["delta"]["w"] = torch.tensor(DELTA, dtype=torch.float64)
-    params = method.client_start(glob, state, {})
+    scratch = method.new_scratch()
+    params = method.client_start(glob, state, {}, scratch)
     grads = {"w": torch.tensor(GRAD, dtype=torch.float64)}
-    method.local_step(params, lambda: (0.0, grads), state, StepContext(0, 0, 4, 0.5, glob))
+    method.local_step(params, lambda: (0.0, grads), state, StepContext(0, 0, 4, 0.5, glob, scratch=scratch))
     return params["w"].tolist()
 
 

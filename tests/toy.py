@@ -29,11 +29,12 @@ def simulate(method: Method, init: Params, grad_of: list[Callable[[Params], tupl
         received = method.broadcast(glob, server_state)
         messages = []
         for k in range(n):
-            params = method.client_start(glob, states[k], received)
+            scratch = method.new_scratch()  # this client round's scratch, as client.local_round makes it
+            params = method.client_start(glob, states[k], received, scratch)
             for t in range(steps):
-                ctx = StepContext(round=r, step=t, num_steps=steps, lr=lr, global_params=glob)
+                ctx = StepContext(round=r, step=t, num_steps=steps, lr=lr, global_params=glob, scratch=scratch)
                 method.local_step(params, lambda: grad_of[k](params), states[k], ctx)
-            messages.append(method.client_end(glob, params, states[k]))
+            messages.append(method.client_end(glob, params, states[k], scratch))
             personal[k] = method.personalized(glob, params, states[k])
         glob = method.aggregate(glob, messages, weights, server_state, RoundContext(r, n, list(range(n))))
     return glob, personal, states

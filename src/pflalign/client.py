@@ -157,7 +157,9 @@ def local_round(
     batches = list(batches)
     opt = make_optimizer(optimizer) if optimizer is not None else None
     accumulated = None  # the gradient buffer of accumulated steps, made at the first
-    lm.set_lora(method.client_start(global_params, state, received))
+    # the round's scratch (pFLAlign's m, SCAFFOLD's c): apart from `state`, dropped when this returns
+    scratch = method.new_scratch()
+    lm.set_lora(method.client_start(global_params, state, received, scratch))
     stats = GradientStats()
     frozen = [n for n in lm.lora if not method.trains(n)]  # left out of the GSNR (FFA-LoRA's A)
     trained = [n for n in lm.lora if method.trains(n)] if frozen else None
@@ -183,7 +185,8 @@ def local_round(
                 first_call[0] = False
             return loss, grads
 
-        ctx = StepContext(round=round_index, step=t, num_steps=len(batches), lr=lr, global_params=global_params)
+        ctx = StepContext(round=round_index, step=t, num_steps=len(batches), lr=lr, global_params=global_params,
+                          scratch=scratch)
         if opt is not None:
             ctx.optimizer = opt
         loss = method.local_step(lm.lora, grad_fn, state, ctx)
@@ -194,8 +197,9 @@ def local_round(
             on_step(t, loss)
     local = {n: p.detach() for n, p in lm.lora.items()}
     update_norm, model_norm = distance(local, global_params), distance(local)
-    method_metrics = method.round_metrics(global_params, lm.lora, state)
-    message = method.client_end(global_params, lm.lora, state)
+    method_metrics = method.round_metrics(global_params, lm.lora, state, scratch)
+    message = method.client_end(global_params, lm.lora, state, scratch)
+    scratch.clear()  # the round's end: its scratch goes (freed now, as the old `del state["m"]` did)
     for group, params in message.items():
         if bad := _non_finite(params):
             raise _diverged(f"the update {group}/{bad}", round_index, len(batches) - 1, lr)

@@ -45,8 +45,9 @@ def expected_message(method: Method, global_params: Params) -> Expected:
     state = method.init_client_state(global_params)
     received = method.broadcast(global_params, method.init_server_state(global_params))
     with torch.no_grad():
-        params = method.client_start(global_params, state, received)
-        message = method.client_end(global_params, params, state)
+        scratch = method.new_scratch()
+        params = method.client_start(global_params, state, received, scratch)
+        message = method.client_end(global_params, params, state, scratch)
     return {group: {n: (tuple(t.shape), wire_dtype(t.dtype)) for n, t in tensors.items()}
             for group, tensors in message.items()}
 

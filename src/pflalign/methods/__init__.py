@@ -1,7 +1,8 @@
 """The registry of federated methods: name → class. `pflalign methods` lists it.
 
-Adding a method = one module with a `Method` subclass (its `name`, `label` and
-`family` on the class), plus its line in `REGISTRY` here.
+Adding a method = one module with a `FedAvg` (or `Method`) subclass (its `name`, `label`
+and `family` on the class, its update rules as plain functions its hooks call), plus its
+line in `REGISTRY` here (docs/methods.md, "Adding a method").
 """
 
 from __future__ import annotations

@@ -11,6 +11,28 @@ state plus `step`):
 * its **state**: per client (`init_client_state`, kept across rounds on the
   client) and on the server (`init_server_state`).
 
+Like `torch.optim`, which keeps `Adam.step` (find each parameter's state) apart from
+`_single_tensor_adam` (the arithmetic), a method's update rule is a plain function over
+tensors in its module, with the equation and its source in the docstring (e.g.
+`fedprox.proximal_direction`, `pflalign.pflalign_step_`); its `local_step` looks up the
+state and calls it.
+
+Two kinds of client data, kept apart:
+
+* `State`: what the client keeps across rounds (pFLAlign's Δ_k, v, P; SCAFFOLD's c_k).
+  It is checkpointed, so its group names are a file format.
+* `Scratch`: what one round needs from its start to its end (pFLAlign's m, SCAFFOLD's
+  c and Σ_t η, FedGloSS's w̃). The client runner makes an empty one as the round starts
+  (`new_scratch`), hands it to `client_start`, to every `local_step` (as
+  ``ctx.scratch``), to `round_metrics` and `client_end`, and drops it when the round
+  ends: it is never part of `State`, so it cannot reach a checkpoint or the next round.
+
+`Method` is abstract: it declares the hooks and the defaults that do nothing
+(no state, nothing broadcast, w_{k,0} = w^r). `FedAvg` (fedavg.py) is the
+simplest complete method, and a method that changes only part of FedAvg
+subclasses it (``FedProx(FedAvg)`` changes the local step, ``FedOpt(FedAvg)``
+the server step), as Flower's strategies do.
+
 A local step moves each trained tensor with ``ctx.descend(name, w, d)`` along its descent
 direction d; the round's optimizer (`pflalign.optim`: SGD, the default, w ← w − η d, or
 AdamW on d) takes the step, so "SGD" in a method's docstring is the default optimizer's
@@ -31,8 +53,9 @@ the replies themselves: its memory does not grow with the participants.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
-from typing import Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -42,6 +65,8 @@ from ..params import Params, clone, empty_like, zeros_like  # noqa: F401  (the m
 State = dict[str, Params]
 Message = dict[str, Params]
 GradFn = Callable[[], tuple[float, Params]]
+# one client round's working values, by name (see the module docstring): never checkpointed
+Scratch = dict[str, Any]
 
 
 @dataclass
@@ -55,6 +80,8 @@ class StepContext:
     global_params: Params  # w^r, read-only
     # the client's optimizer for this round (optimizer.name; fresh every round): `descend` steps with it
     optimizer: SGD | AdamW = field(default_factory=SGD)
+    # this client round's scratch (`Method.new_scratch`; the one `client_start` filled), not its state
+    scratch: Scratch = field(default_factory=dict)
 
     def descend(self, name: str, w: torch.Tensor, direction: torch.Tensor) -> None:
         """One optimizer step on tensor `name` along the method's descent direction, in place:
@@ -157,8 +184,13 @@ class Aggregation:
         return self.method.finish_aggregation(self.global_params, sums, self.weights, self.server_state, self.ctx)
 
 
-class Method:
-    """FedAvg's rules are the defaults; a method overrides only what differs."""
+class Method(ABC):
+    """The interface: a method's client rule, server rule and state (module docstring).
+
+    Abstract: a method defines its local step (`local_step`), its message (`client_end`) and
+    its server rule (`aggregation_sums`, `finish_aggregation`), usually by subclassing
+    `FedAvg` and overriding only what differs. The other hooks default to doing nothing.
+    """
 
     name: ClassVar[str]  # the registry's name (`--set method=...`, run folders, results.json)
     # the paper's spelling in tables and figures (None: `name`); not inherited: an ablation
@@ -196,39 +228,41 @@ class Method:
     def init_client_state(self, global_params: Params) -> State:
         return {}
 
-    def client_start(self, global_params: Params, state: State, received: Message) -> Params:
-        """The client's starting weights w_{k,0} for this round.
+    @staticmethod
+    def new_scratch() -> Scratch:
+        """An empty scratch for one client round: whoever runs the round makes it before
+        `client_start` and drops it after `client_end` (client.local_round)."""
+        return {}
 
-        `received` is what the server broadcast besides w^r (see `broadcast`);
-        what a method needs of it during the round it keeps in `state` under a
-        scratch key that `client_end` removes, as pFLAlign does with m.
+    def client_start(self, global_params: Params, state: State, received: Message, scratch: Scratch) -> Params:
+        """The client's starting weights w_{k,0} for this round (default: w^r).
+
+        `received` is what the server broadcast besides w^r (see `broadcast`); what the
+        round needs of it, or of its own, until `client_end` goes into `scratch`, not
+        `state` (SCAFFOLD keeps c there, pFLAlign its momentum m).
         """
         return clone(global_params)
 
-    @torch.no_grad()
+    @abstractmethod
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         """One local step, in place on the live `params`; returns the minibatch loss.
 
         `grad_fn()` computes (loss, gradients) at the current `params`, with
         autograd on (the caller's closure turns it on, as `torch.optim` does
         around its closure, so that the step itself runs without it); a
-        method may call it more than once (SAM).
+        method may call it more than once (SAM). The round's scratch is
+        ``ctx.scratch``. Implementations run under ``torch.no_grad()``.
         """
-        loss, grads = grad_fn()
-        for n, w in params.items():
-            ctx.descend(n, w, grads[n])
-        return loss
 
-    def round_metrics(self, global_params: Params, params: Params, state: State) -> dict[str, float]:
+    def round_metrics(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> dict[str, float]:
         """What only the method can measure of the client's round just taken (pFLAlign: its
         preconditioner and gate), as numbers for the round's `client_round` metrics line; called
-        after the T local steps, before `client_end` (so a round's scratch state is still there).
-        Default: nothing."""
+        after the T local steps, before `client_end`. Default: nothing."""
         return {}
 
-    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
-        """What the client sends to the server after its T local steps."""
-        return {"params": clone(params)}
+    @abstractmethod
+    def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:
+        """What the client sends to the server after its T local steps; updates `state`."""
 
     def personalized(self, global_params: Params, params: Params, state: State) -> Params:
         """The client's personalized model after this round (default: its local model w_{k,T})."""
@@ -248,17 +282,17 @@ class Method:
         """What the server sends every participant besides w^r (e.g. SCAFFOLD's c); default nothing."""
         return {}
 
+    @abstractmethod
     def aggregation_sums(self, global_params: Params, weights: list[float], server_state: State,
                          ctx: RoundContext) -> dict:
         """The running sums over the round's messages that `finish_aggregation` needs, by name:
         objects with ``add(i, message)`` and ``result()`` (`WeightedSum`). `weights` are
-        |D_k| / Σ|D_j| over the participants. Default: w̄ = Σ_k p_k m_k["params"]."""
-        return {"params": WeightedSum(weights)}
+        |D_k| / Σ|D_j| over the participants (FedAvg: w̄ = Σ_k p_k m_k["params"])."""
 
+    @abstractmethod
     def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
                            server_state: State, ctx: RoundContext) -> Params:
         """The next global adapter w^{r+1} from the finished sums; updates `server_state` in place."""
-        return sums["params"]
 
     def start_aggregation(self, global_params: Params, weights: list[float], server_state: State,
                           ctx: RoundContext) -> Aggregation:

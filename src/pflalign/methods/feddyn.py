@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import (GradFn, Message, Method, Params, RoundContext, State, StepContext, WeightedSum, clone,
+from .base import (GradFn, Message, Method, Params, RoundContext, Scratch, State, StepContext, WeightedSum, clone,
                    equal_weights, zeros_like)
 
 
@@ -40,6 +40,27 @@ class FedDynArgs:
     def __post_init__(self):
         if self.alpha <= 0:
             raise ValueError(f"alpha must be > 0 (the server divides by it), got {self.alpha}")
+
+
+def feddyn_direction(g: torch.Tensor, w: torch.Tensor, w_global: torch.Tensor, lam: torch.Tensor,
+                     alpha: float) -> torch.Tensor:
+    """∇R_k(w) = g − λ_k + α (w − w^r): the gradient of the dynamically regularised local loss
+    R_k(w) = f_k(w) − ⟨λ_k, w⟩ + (α/2) ‖w − w^r‖² (Acar et al., ICLR 2021, Algorithm 1), g = ∇f_k(w)."""
+    return g - lam + alpha * (w - w_global)
+
+
+def feddyn_dual_update_(lam: torch.Tensor, w: torch.Tensor, w_global: torch.Tensor, alpha: float) -> None:
+    """λ_k ← λ_k − α (w_{k,T} − w^r), in place (Algorithm 1's update of ∇L_k)."""
+    lam.sub_(w - w_global, alpha=alpha)
+
+
+def feddyn_server_step_(h: torch.Tensor, mean: torch.Tensor, w_global: torch.Tensor, alpha: float,
+                        participants: int, num_clients: int) -> torch.Tensor:
+    """h ← h − α (1/N) Σ_{k∈S} (w_{k,T} − w^r), in place, and w^{r+1} = mean_S(w_{k,T}) − h / α
+    (Acar et al., Algorithm 1), from the unweighted mean of the participants' models, using
+    Σ_{k∈S} (w_k − w^r) = |S| (mean_S w_k − w^r)."""
+    h.sub_(mean - w_global, alpha=alpha * participants / num_clients)
+    return mean - h / alpha
 
 
 class FedDyn(Method):
@@ -56,12 +77,12 @@ class FedDyn(Method):
         loss, grads = grad_fn()
         alpha, lam = self.args.alpha, state["lambda"]
         for n, w in params.items():
-            ctx.descend(n, w, grads[n] - lam[n] + alpha * (w - ctx.global_params[n]))
+            ctx.descend(n, w, feddyn_direction(grads[n], w, ctx.global_params[n], lam[n], alpha))
         return loss
 
-    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
+    def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:
         for n, w in params.items():
-            state["lambda"][n].sub_(w.detach() - global_params[n], alpha=self.args.alpha)
+            feddyn_dual_update_(state["lambda"][n], w.detach(), global_params[n], self.args.alpha)
         return {"params": clone(params)}
 
     def init_server_state(self, global_params: Params) -> State:
@@ -76,9 +97,7 @@ class FedDyn(Method):
         alpha, participants, mean_params = self.args.alpha, len(weights), sums["mean"]
         new = {}
         for n, h in server_state["h"].items():
-            # Σ_{k∈S} (w_k − w^r) = |S| (mean_S w_k − w^r)
-            h.sub_(mean_params[n] - global_params[n], alpha=alpha * participants / ctx.num_clients)
-            new[n] = mean_params[n] - h / alpha
+            new[n] = feddyn_server_step_(h, mean_params[n], global_params[n], alpha, participants, ctx.num_clients)
         return new
 
     def needs_each_upload(self) -> str | None:

@@ -70,7 +70,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import GradFn, Message, Method, Params, RoundContext, State, StepContext, clone, zeros_like
+from .base import GradFn, Message, Method, Params, RoundContext, Scratch, State, StepContext, clone, zeros_like
+from .fedsam import joint_norm as _joint_norm
+from .fedsam import sam_gradient
 
 
 @dataclass
@@ -114,8 +116,20 @@ class UpdateSum:
 
 def joint_norm(tensors: Params) -> float:
     """‖x‖ over all tensors together (accumulated in at least float32)."""
-    norms = [torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors.values()]
-    return float(torch.linalg.vector_norm(torch.stack(norms)))
+    return float(_joint_norm(tensors))
+
+
+def fedgloss_direction(g: torch.Tensor, w: torch.Tensor, sigma_k: torch.Tensor, start: torch.Tensor,
+                       beta: float) -> torch.Tensor:
+    """d = g_e − σ_k + (w − w̃^t) / β: the client's descent direction (the official code's
+    `FedGloSSOpt`: SAM's gradient g_e with the ADMM dual σ_k and the proximal pull 1/β towards
+    the round's start w̃^t = w^t + ε̃^t; Caldarola et al., CVPR 2025)."""
+    return g - sigma_k + (w - start) / beta
+
+
+def fedgloss_dual_update_(sigma_k: torch.Tensor, w: torch.Tensor, start: torch.Tensor, beta: float) -> None:
+    """σ_k ← σ_k − (w_{k,T} − w̃^t) / β, in place: the client's ADMM dual step at the round's end."""
+    sigma_k.sub_((w - start) / beta)
 
 
 class FedGloSS(Method):
@@ -135,34 +149,26 @@ class FedGloSS(Method):
     def init_client_state(self, global_params: Params) -> State:
         return {"sigma": zeros_like(global_params)}
 
-    def client_start(self, global_params: Params, state: State, received: Message) -> Params:
+    def client_start(self, global_params: Params, state: State, received: Message, scratch: Scratch) -> Params:
         start = {n: w + received["perturbation"][n] for n, w in global_params.items()}  # w̃ = w + ε̃
-        state["start"] = clone(start)  # scratch for this round, removed by client_end
+        scratch["start"] = clone(start)
         return start
 
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         loss, grads = grad_fn()
-        rho_local, norm = self.radius(self.args.rho_local, ctx.round), joint_norm(grads)
-        if rho_local > 0 and norm > 0:
-            here = clone(params)
-            for n, w in params.items():
-                w.add_(grads[n], alpha=rho_local / norm)  # to w + e ...
-            _, grads = grad_fn()  # ... the gradient there ...
-            for n, w in params.items():
-                w.copy_(here[n])  # ... and back to w exactly
+        grads = sam_gradient(params, grads, grad_fn, self.radius(self.args.rho_local, ctx.round))  # g_e
         for n, w in params.items():
             step = grads[n]
             if self.args.admm:
-                step = step - state["sigma"][n] + (w - state["start"][n]) / self.args.beta
+                step = fedgloss_direction(step, w, state["sigma"][n], ctx.scratch["start"][n], self.args.beta)
             ctx.descend(n, w, step)
         return loss
 
-    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
-        start = state.pop("start")
+    def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:
         if self.args.admm:
             for n, w in params.items():
-                state["sigma"][n].sub_((w.detach() - start[n]) / self.args.beta)
+                fedgloss_dual_update_(state["sigma"][n], w.detach(), scratch["start"][n], self.args.beta)
         return {"params": clone(params)}
 
     # ---- server -------------------------------------------------------------

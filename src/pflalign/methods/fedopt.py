@@ -26,11 +26,15 @@ FedAdagrad fixes β1 = 0; we follow the paper's Algorithm 2 for both.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
 
-from .base import Method, Params, RoundContext, State, zeros_like
+from typing import Callable
+
+from .base import Params, RoundContext, State, zeros_like
+from .fedavg import FedAvg
 
 
 @dataclass
@@ -58,7 +62,39 @@ class FedAdamArgs(FedOptArgs):
             raise ValueError(f"beta2 must be in [0, 1), got {self.beta2}")
 
 
-class FedOpt(Method):
+def adam_second_moment_(v: torch.Tensor, delta_sq: torch.Tensor, beta2: float) -> None:
+    """FedAdam: v ← β2 v + (1 − β2) Δ², in place (Reddi et al., Algorithm 2)."""
+    v.mul_(beta2).add_(delta_sq, alpha=1 - beta2)
+
+
+def yogi_second_moment_(v: torch.Tensor, delta_sq: torch.Tensor, beta2: float) -> None:
+    """FedYogi: v ← v − (1 − β2) Δ² sign(v − Δ²), in place (Reddi et al., Algorithm 2): v moves
+    towards Δ² by an additive (1 − β2) Δ², never multiplicatively."""
+    v.sub_((1 - beta2) * delta_sq * torch.sign(v - delta_sq))
+
+
+def adagrad_second_moment_(v: torch.Tensor, delta_sq: torch.Tensor) -> None:
+    """FedAdagrad: v ← v + Δ², in place (Reddi et al., Algorithm 2)."""
+    v.add_(delta_sq)
+
+
+def fedopt_step_(w: torch.Tensor, delta: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float,
+                 beta1: float, tau: float, update_v: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    """The server's adaptive step on one tensor (Reddi et al., ICLR 2021, Algorithm 2), in place on
+    m and v; returns w^{r+1}:
+
+        m ← β1 m + (1 − β1) Δ
+        v ← update_v(v, Δ²)                  (Adam, Yogi or Adagrad's second moment, above)
+        w^{r+1} = w^r + η m / (√v + τ)
+
+    Δ = w̄ − w^r is the round's pseudo-gradient, pointing where the clients went.
+    """
+    m.mul_(beta1).add_(delta, alpha=1 - beta1)
+    update_v(v, delta * delta)
+    return w + lr * m / (v.sqrt() + tau)
+
+
+class FedOpt(FedAvg):
     """FedAvg's clients with an adaptive server optimiser; subclasses define `update_v`."""
 
     family = "Optimizer-based"
@@ -68,22 +104,17 @@ class FedOpt(Method):
         tau_sq = self.args.tau ** 2
         return {"m": zeros_like(global_params), "v": {n: torch.full_like(t, tau_sq) for n, t in global_params.items()}}
 
+    @abstractmethod
     def update_v(self, v: torch.Tensor, delta_sq: torch.Tensor) -> None:
-        """The second-moment update, in place on v, given Δ²."""
-        raise NotImplementedError
+        """The second-moment update, in place on v, given Δ² (one of the functions above)."""
 
     def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
                            server_state: State, ctx: RoundContext) -> Params:
         average = sums["params"]  # Σ_k p_k w_k (the default sum)
         beta1, lr, tau = self.args.beta1, self.args.server_lr, self.args.tau
-        new = {}
-        for n, w in global_params.items():
-            delta = average[n] - w  # Δ points where the clients went: the server steps along it
-            m, v = server_state["m"][n], server_state["v"][n]
-            m.mul_(beta1).add_(delta, alpha=1 - beta1)
-            self.update_v(v, delta * delta)
-            new[n] = w + lr * m / (v.sqrt() + tau)
-        return new
+        m, v = server_state["m"], server_state["v"]
+        return {n: fedopt_step_(w, average[n] - w, m[n], v[n], lr=lr, beta1=beta1, tau=tau, update_v=self.update_v)
+                for n, w in global_params.items()}
 
 
 class FedAdam(FedOpt):
@@ -92,7 +123,7 @@ class FedAdam(FedOpt):
     Args = FedAdamArgs
 
     def update_v(self, v, delta_sq):
-        v.mul_(self.args.beta2).add_(delta_sq, alpha=1 - self.args.beta2)
+        adam_second_moment_(v, delta_sq, self.args.beta2)
 
 
 class FedYogi(FedOpt):
@@ -101,8 +132,7 @@ class FedYogi(FedOpt):
     Args = FedAdamArgs  # same hyperparameters as FedAdam, only the v update differs
 
     def update_v(self, v, delta_sq):
-        # Yogi moves v towards Δ² by an additive (1 − β2) Δ², never multiplicatively
-        v.sub_((1 - self.args.beta2) * delta_sq * torch.sign(v - delta_sq))
+        yogi_second_moment_(v, delta_sq, self.args.beta2)
 
 
 class FedAdagrad(FedOpt):
@@ -111,4 +141,4 @@ class FedAdagrad(FedOpt):
     Args = FedOptArgs
 
     def update_v(self, v, delta_sq):
-        v.add_(delta_sq)
+        adagrad_second_moment_(v, delta_sq)

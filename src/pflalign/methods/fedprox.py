@@ -31,6 +31,12 @@ class FedProxArgs:
             raise ValueError(f"mu must be >= 0, got {self.mu}")
 
 
+def proximal_direction(g: torch.Tensor, w: torch.Tensor, w_global: torch.Tensor, mu: float) -> torch.Tensor:
+    """∇h_k(w) = g + μ (w − w^r): the gradient of FedProx's local objective
+    h_k(w) = f_k(w) + (μ/2) ‖w − w^r‖² (Li et al., MLSys 2020, eq. 2), g = ∇f_k(w)."""
+    return g + mu * (w - w_global)
+
+
 class FedProx(FedAvg):  # FedAvg with another client step: the server rule is inherited
     name = "fedprox"
     label = "FedProx"
@@ -40,8 +46,7 @@ class FedProx(FedAvg):  # FedAvg with another client step: the server rule is in
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         loss, grads = grad_fn()
-        mu = self.args.mu
         for n, w in params.items():
-            proximal_grad = grads[n] + mu * (w - ctx.global_params[n])
-            ctx.descend(n, w, proximal_grad)  # FedAvg's step on ∇h_k, so μ = 0 is bit-identical
+            # FedAvg's step on ∇h_k, so μ = 0 is bit-identical
+            ctx.descend(n, w, proximal_direction(grads[n], w, ctx.global_params[n], self.args.mu))
         return loss

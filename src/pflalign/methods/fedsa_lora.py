@@ -46,7 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..params import is_lora_b
-from .base import Message, Method, Params, RoundContext, State, WeightedSum, clone
+from .base import Message, Params, RoundContext, Scratch, State, WeightedSum, clone
+from .fedavg import FedAvg
 
 GLOBAL_B_RULES = ("mean", "init")
 PERSONALIZED_RULES = ("after_aggregation", "before_aggregation")
@@ -65,7 +66,7 @@ class FedSALoRAArgs:
                              f"got {self.personalized!r}")
 
 
-class FedSALoRA(Method):
+class FedSALoRA(FedAvg):  # FedAvg's local step; only A is shared
     name = "fedsa-lora"
     label = "FedSA-LoRA"
     family = "LoRA-modulation"
@@ -76,10 +77,10 @@ class FedSALoRA(Method):
     def init_client_state(self, global_params: Params) -> State:
         return {"B": {n: w.clone() for n, w in global_params.items() if is_lora_b(n)}}
 
-    def client_start(self, global_params: Params, state: State, received: Message) -> Params:
+    def client_start(self, global_params: Params, state: State, received: Message, scratch: Scratch) -> Params:
         return {n: state["B"][n].clone() if is_lora_b(n) else w.clone() for n, w in global_params.items()}
 
-    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
+    def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:
         own_b = {n: w.detach().clone() for n, w in params.items() if is_lora_b(n)}
         state["B"] = own_b
         message = {"shared": {n: w.detach().clone() for n, w in params.items() if not is_lora_b(n)}}

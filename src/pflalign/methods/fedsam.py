@@ -44,6 +44,27 @@ def joint_norm(tensors: Params) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
+@torch.no_grad()
+def sam_gradient(params: Params, grads: Params, grad_fn: GradFn, rho: float) -> Params:
+    """SAM's gradient g_ε = ∇f(w + ε), ε = ρ g / ‖g‖ with one joint ‖g‖ over all tensors
+    (Foret et al., ICLR 2021, eq. 2 and 3), on the same minibatch as g = `grads`.
+
+    It moves the live `params` to w + ε, calls `grad_fn` there, and puts w back exactly (a copy,
+    not w + ε − ε). With ρ = 0 or g = 0, ε = 0: returns `grads` without a second evaluation.
+    """
+    norm = float(joint_norm(grads))
+    if not (rho > 0 and norm > 0):
+        return grads
+    scale = rho / norm
+    start = {n: w.clone() for n, w in params.items()}
+    for n, w in params.items():
+        w.add_(grads[n], alpha=scale)  # climb to w + ε ...
+    _, grads = grad_fn()  # ... take the gradient there ...
+    for n, w in params.items():
+        w.copy_(start[n])  # ... and step from w itself
+    return grads
+
+
 class FedSAM(FedAvg):  # FedAvg with another client step: the server rule is inherited
     name = "fedsam"
     label = "FedSAM"
@@ -53,15 +74,7 @@ class FedSAM(FedAvg):  # FedAvg with another client step: the server rule is inh
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         loss, grads = grad_fn()
-        norm = float(joint_norm(grads))
-        if self.args.rho > 0 and norm > 0:
-            scale = self.args.rho / norm
-            start = {n: w.clone() for n, w in params.items()}
-            for n, w in params.items():
-                w.add_(grads[n], alpha=scale)  # climb to w + ε ...
-            _, grads = grad_fn()  # ... take the gradient there ...
-            for n, w in params.items():
-                w.copy_(start[n])  # ... and step from w itself (restored exactly, not w + ε − ε)
+        grads = sam_gradient(params, grads, grad_fn, self.args.rho)
         for n, w in params.items():
-            ctx.descend(n, w, grads[n])
+            ctx.descend(n, w, grads[n])  # w ← w − η g_ε
         return loss

@@ -29,30 +29,23 @@ from __future__ import annotations
 import torch
 
 from ..params import is_lora_a
-from .base import GradFn, Message, Method, Params, RoundContext, State, StepContext
+from .base import Message, Params, RoundContext, Scratch, State
+from .fedavg import FedAvg
 
 
-class FFALoRA(Method):
+class FFALoRA(FedAvg):  # FedAvg's step (which skips what `trains` freezes) on B only
     name = "ffa-lora"
     label = "FFA-LoRA"
     family = "LoRA-modulation"
 
     def trains(self, name: str) -> bool:
-        return not is_lora_a(name)
+        return not is_lora_a(name)  # A is frozen: FedAvg's local step leaves it as it is
 
-    @torch.no_grad()
-    def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
-        loss, grads = grad_fn()
-        for n, w in params.items():
-            if self.trains(n):  # A is frozen
-                ctx.descend(n, w, grads[n])
-        return loss
-
-    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
+    def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:
         return {"params": {n: w.detach().clone() for n, w in params.items() if not is_lora_a(n)}}
 
     def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
                            server_state: State, ctx: RoundContext) -> Params:
-        averaged = sums["params"]  # Σ_k p_k B_k (the default sum: the uploads hold no A)
+        averaged = sums["params"]  # Σ_k p_k B_k (FedAvg's sum: the uploads hold no A)
         # A is copied, not averaged: Σ_k p_k A could differ from A in the last bit.
         return {n: w.clone() if is_lora_a(n) else averaged[n] for n, w in global_params.items()}

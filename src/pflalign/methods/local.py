@@ -8,10 +8,11 @@ then w_k ← w_{k,T}. Nothing is sent and nothing is aggregated, so the
 
 from __future__ import annotations
 
-from .base import Message, Method, Params, RoundContext, State, clone
+from .base import Message, Params, RoundContext, Scratch, State, clone
+from .fedavg import FedAvg
 
 
-class Local(Method):
+class Local(FedAvg):  # FedAvg's local step, from the client's own model, and no server
     name = "local"
     label = "Local"
     family = "Optimizer-based"
@@ -19,10 +20,10 @@ class Local(Method):
     def init_client_state(self, global_params: Params) -> State:
         return {"model": clone(global_params)}
 
-    def client_start(self, global_params: Params, state: State, received: Message) -> Params:
+    def client_start(self, global_params: Params, state: State, received: Message, scratch: Scratch) -> Params:
         return clone(state["model"])
 
-    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
+    def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:
         state["model"] = clone(params)
         return {}  # nothing leaves the client
 

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import GradFn, Method, Message, Params, State, StepContext, clone, zeros_like
+from .base import GradFn, Message, Params, Scratch, State, StepContext, clone, zeros_like
+from .fedavg import FedAvg
 
 GAMMA_RULES = ("erf", "zero", "const", "hard")
 PERSONALIZED_RULES = ("w_kT", "after_aggregation")
@@ -84,7 +85,54 @@ def gamma_erf(m: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, eps: float)
     return gate.mul_(torch.sign(m * delta)).mul_(0.5).add_(0.5)
 
 
-class PFLAlign(Method):
+def gate(rule: str, m: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, eps: float) -> torch.Tensor:
+    """γ by `rule`: "erf" (the paper's, `gamma_erf`), "hard" (0.5 + 0.5 sign(m Δ)), "const" (0.5)
+    or "zero" (no correction); the last three are our variants."""
+    if rule == "erf":
+        return gamma_erf(m, v, delta, eps)
+    if rule == "hard":
+        return 0.5 + 0.5 * torch.sign(m * delta)
+    return torch.full_like(m, 0.5 if rule == "const" else 0.0)
+
+
+@torch.no_grad()
+def pflalign_step_(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, P: torch.Tensor,
+                   delta: torch.Tensor, *, lr: float, beta: float, eps: float, num_steps: int,
+                   precondition: bool = True, gamma: str = "erf", personal_init: bool = True,
+                   one: torch.Tensor | None = None) -> torch.Tensor | None:
+    """One local step of pFLAlign (Kim & Lee, 2026, Algorithm 1) on one tensor, in place on
+    w, m, v and P; returns γ (None without the correction, personal_init=False):
+
+        m ← β m + (1−β) g
+        v ← β v + (1−β) g²
+        α = 1 − (1−β) g² / (v + ε)
+        P ← α P + (1−β) m² / (v + ε)                   (precondition=False: P ≡ 1, P untouched)
+        γ = gate(gamma, m, v, Δ_k)
+        w ← w − η P g − (1/T) γ Δ_k                   (T = num_steps)
+
+    In place, with 1/(v+ε) computed once for α and P: a small LoRA tensor stays in cache
+    through its whole update. `one` is a 0-dim 1 of w's dtype (made here if not given; the
+    caller makes it once per step).
+    """
+    m.mul_(beta).add_(g, alpha=1 - beta)
+    v.mul_(beta).addcmul_(g, g, value=1 - beta)
+    if precondition:
+        if one is None:
+            one = torch.ones((), dtype=w.dtype, device=w.device)
+        inverse = v.add(eps).reciprocal_()
+        alpha = torch.addcmul(one, g * g, inverse, value=-(1 - beta))  # 1 − (1−β) g²/(v+ε)
+        P.mul_(alpha).addcmul_(m * m, inverse, value=1 - beta)  # α P + (1−β) m²/(v+ε)
+        w.addcmul_(P, g, value=-lr)
+    else:
+        w.sub_(g, alpha=lr)
+    if not personal_init:
+        return None
+    gamma_t = gate(gamma, m, v, delta, eps)
+    w.addcmul_(gamma_t, delta, value=-1.0 / num_steps)
+    return gamma_t
+
+
+class PFLAlign(FedAvg):  # FedAvg's server rule, its own client rule
     """pFLAlign (Kim & Lee, 2026), Algorithm 1: P-preconditioned steps from w^r + Δ_k with an erf-gated pull −γΔ_k/T; its step is at most 0.29× SGD's at β 0.8 and 0.09× at the default β 0.9 (P's cap), so short runs want β ≤ 0.8 or a larger lr (docs/results/pflalign-analysis).
 
     The update rule, the variants and the measurements are in the module's docstring.
@@ -100,59 +148,40 @@ class PFLAlign(Method):
     def init_client_state(self, global_params: Params) -> State:
         return {"delta": zeros_like(global_params), "v": zeros_like(global_params), "P": zeros_like(global_params)}
 
-    def client_start(self, global_params: Params, state: State, received: Message) -> Params:
-        state["m"] = zeros_like(global_params)  # m is reset every round, v and P are not
-        # scratch for `round_metrics`, summed over the round's steps without a host sync
+    def client_start(self, global_params: Params, state: State, received: Message, scratch: Scratch) -> Params:
+        scratch["m"] = zeros_like(global_params)  # m is reset every round, v and P are not
+        # for `round_metrics`: summed over the round's steps without a host sync
         first = next(iter(global_params.values()))
-        state["round_stats"] = {key: torch.zeros((), dtype=torch.float64, device=first.device) for key in
-                                ("steps", "step_ratio", "step_norm", "correction_norm", "gamma_sum", "gamma_count")}
+        scratch["round_stats"] = {key: torch.zeros((), dtype=torch.float64, device=first.device) for key in
+                                  ("steps", "step_ratio", "step_norm", "correction_norm", "gamma_sum", "gamma_count")}
         # in the adapter's order: a state read back from a file may hold its tensors in another, and
         # the order of a sum decides its last bits
-        state["round_stats"]["delta_norm"] = _norm(state["delta"][n] for n in global_params)
+        scratch["round_stats"]["delta_norm"] = _norm(state["delta"][n] for n in global_params)
         if not self.args.personal_init:
             return clone(global_params)
         return {n: w + state["delta"][n] for n, w in global_params.items()}
 
-    def _gamma(self, m, v, delta):
-        rule = self.args.gamma
-        if rule == "erf":
-            return gamma_erf(m, v, delta, self.args.eps)
-        if rule == "hard":
-            return 0.5 + 0.5 * torch.sign(m * delta)
-        return torch.full_like(m, 0.5 if rule == "const" else 0.0)
-
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         loss, grads = grad_fn()
-        beta, eps, T = self.args.beta, self.args.eps, ctx.num_steps
+        args = self.args
         first = next(iter(params.values()))
         one = torch.ones((), dtype=first.dtype, device=first.device)
-        # Tensor by tensor, in place, with 1/(v+ε) shared by α and P: each small LoRA
-        # tensor stays in cache through its update (flat multi-tensor ops would stream
-        # all of them through memory once per operation).
-        stats = state.get("round_stats")
+        m, v, P, delta = ctx.scratch["m"], state["v"], state["P"], state["delta"]
+        stats = ctx.scratch.get("round_stats")
         sums = torch.zeros(3, dtype=torch.float64, device=first.device)  # ‖g‖², ‖P⊙g‖², ‖γ⊙Δ‖² of this step
+        # tensor by tensor (flat multi-tensor ops would stream every tensor through memory once per operation)
         for n, w in params.items():
             g = grads[n]
-            m, v, P, delta = state["m"][n], state["v"][n], state["P"][n], state["delta"][n]
-            m.mul_(beta).add_(g, alpha=1 - beta)
-            v.mul_(beta).addcmul_(g, g, value=1 - beta)
-            if self.args.precondition:
-                inverse = v.add(eps).reciprocal_()
-                alpha = torch.addcmul(one, g * g, inverse, value=-(1 - beta))  # 1 − (1−β) g²/(v+ε)
-                P.mul_(alpha).addcmul_(m * m, inverse, value=1 - beta)  # α P + (1−β) m²/(v+ε)
-                w.addcmul_(P, g, value=-ctx.lr)
-            else:
-                w.sub_(g, alpha=ctx.lr)
-            if self.args.personal_init:
-                gamma = self._gamma(m, v, delta)
-                w.addcmul_(gamma, delta, value=-1.0 / T)
+            gamma = pflalign_step_(w, g, m[n], v[n], P[n], delta[n], lr=ctx.lr, beta=args.beta, eps=args.eps,
+                                   num_steps=ctx.num_steps, precondition=args.precondition, gamma=args.gamma,
+                                   personal_init=args.personal_init, one=one)
             if stats is not None:  # measurements only: the update above is done
-                step = P * g if self.args.precondition else g
-                correction = gamma * delta if self.args.personal_init else None
+                step = P[n] * g if args.precondition else g
+                correction = gamma * delta[n] if gamma is not None else None
                 sums += torch.stack([_square_sum(g), _square_sum(step),
                                      _square_sum(correction) if correction is not None else sums.new_zeros(())])
-                if self.args.personal_init:
+                if gamma is not None:
                     stats["gamma_sum"] += gamma.sum(dtype=torch.float64)
                     stats["gamma_count"] += gamma.numel()
         if stats is not None:
@@ -160,11 +189,11 @@ class PFLAlign(Method):
             stats["steps"] += 1
             stats["step_ratio"] += norms[1] / norms[0].clamp_min(1e-300)
             stats["step_norm"] += ctx.lr * norms[1]
-            stats["correction_norm"] += norms[2] / T
+            stats["correction_norm"] += norms[2] / ctx.num_steps
         return loss
 
-    def round_metrics(self, global_params: Params, params: Params, state: State) -> dict[str, float]:
-        stats = state.get("round_stats")
+    def round_metrics(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> dict[str, float]:
+        stats = scratch.get("round_stats")
         if stats is None or not stats["steps"]:
             return {}
         steps = stats["steps"]
@@ -180,9 +209,7 @@ class PFLAlign(Method):
                        P_p90=P.kthvalue(k90).values, P_max=P.max())
         return {key: float(value) for key, value in out.items()}
 
-    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
-        del state["m"]
-        state.pop("round_stats", None)
+    def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:
         for n, w in params.items():  # in place: Δ_k stays one flat buffer (params.empty_like)
             torch.sub(w.detach(), global_params[n], out=state["delta"][n])
         return {"params": clone(params)}

@@ -31,8 +31,21 @@ from __future__ import annotations
 
 import torch
 
-from .base import (GradFn, Message, Method, Params, RoundContext, State, StepContext, WeightedSum, clone,
+from .base import (GradFn, Message, Method, Params, RoundContext, Scratch, State, StepContext, WeightedSum, clone,
                    equal_weights, zeros_like)
+
+
+def scaffold_direction(g: torch.Tensor, c_k: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """d = g − c_k + c: the drift-corrected gradient of SCAFFOLD's local step w ← w − η d
+    (Karimireddy et al., ICML 2020, Algorithm 1, the local update)."""
+    return g - c_k + c
+
+
+def scaffold_control(c_k: torch.Tensor, c: torch.Tensor, w_global: torch.Tensor, w: torch.Tensor,
+                     lr_sum: float) -> torch.Tensor:
+    """c_k⁺ = c_k − c + (w^r − w_{k,K}) / (K η): the client's new control variate, option II of
+    Algorithm 1 (`lr_sum` is K η, accumulated as Σ_t η)."""
+    return c_k - c + (w_global - w) / lr_sum
 
 
 class Scaffold(Method):
@@ -46,28 +59,26 @@ class Scaffold(Method):
     def init_client_state(self, global_params: Params) -> State:
         return {"c": zeros_like(global_params)}
 
-    def client_start(self, global_params: Params, state: State, received: Message) -> Params:
-        # Round scratch, removed by client_end: the server's c and Σ_t η.
-        state["server_c"] = clone(received["c"])
-        # on the adapter's device: no CPU tensor (and host op per step) in a CUDA run
-        state["scratch"] = {"lr_sum": torch.zeros((), dtype=torch.float64, device=next(iter(global_params.values())).device)}
+    def client_start(self, global_params: Params, state: State, received: Message, scratch: Scratch) -> Params:
+        scratch["server_c"] = clone(received["c"])
+        # Σ_t η, on the adapter's device: no CPU tensor (and host op per step) in a CUDA run
+        scratch["lr_sum"] = torch.zeros((), dtype=torch.float64, device=next(iter(global_params.values())).device)
         return clone(global_params)
 
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         loss, grads = grad_fn()
-        client_c, server_c = state["c"], state["server_c"]
+        client_c, server_c = state["c"], ctx.scratch["server_c"]
         for n, w in params.items():
-            w.add_(grads[n] - client_c[n] + server_c[n], alpha=-ctx.lr)
-        state["scratch"]["lr_sum"] += ctx.lr
+            w.add_(scaffold_direction(grads[n], client_c[n], server_c[n]), alpha=-ctx.lr)  # SGD (refuses_adamw)
+        ctx.scratch["lr_sum"] += ctx.lr
         return loss
 
-    def client_end(self, global_params: Params, params: Params, state: State) -> Message:
-        server_c = state.pop("server_c")
-        lr_sum = float(state.pop("scratch")["lr_sum"])  # K η
+    def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:
+        lr_sum = float(scratch["lr_sum"])  # K η
         delta_c = {}
         for n, w in params.items():
-            c_new = state["c"][n] - server_c[n] + (global_params[n] - w.detach()) / lr_sum
+            c_new = scaffold_control(state["c"][n], scratch["server_c"][n], global_params[n], w.detach(), lr_sum)
             delta_c[n] = c_new - state["c"][n]
             state["c"][n] = c_new
         return {"params": clone(params), "delta_c": delta_c}
