@@ -58,7 +58,9 @@ class Federation:
         shares, self.data_info = client_shares_described(cfg)
         self.workers = bound_workers(workers, len(sample_clients(len(shares), cfg.participation, cfg.seed, 0)),
                                      len(eval_clients(len(shares), cfg.eval.clients, cfg.seed)))
-        self.lm = build_model(cfg)
+        # training here: the weights in this process's memory (page cache is the first thing reclaimed
+        # under pressure: benchmarks/memory_pressure.py); with workers they train there, mapping one file
+        self.lm = build_model(cfg, in_memory=self.workers == 1)
         self.lm.check_max_seq_len(cfg.max_seq_len)
         self.method: Method = make_method(cfg)
         self.global_params = self.lm.get_lora()
