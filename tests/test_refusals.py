@@ -312,7 +312,7 @@ def test_safetensors_full_disk_text_becomes_the_disk_full_line(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("setting", ["lr=abc", "lorra.r=8", "data.partition=dirichlet"])
+@pytest.mark.parametrize("setting", ["lr=abc", "lorra.r=8", "data.partition=dirichlet", "method=fedavgg"])
 def test_a_config_mistake_is_reported_before_torch_or_transformers_load(setting, tmp_path):
     """Issue 42: `pflalign run` checks the config before it imports the engine (torch and
     transformers: 4 s quiet, 25 s under load, before the error line)."""

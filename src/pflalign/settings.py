@@ -86,6 +86,11 @@ class LogConfig:
     tensorboard: bool = False  # also log per-round scalars to <out>/tensorboard (extra: pflalign[tensorboard])
 
 
+# The methods' names in `pflalign.methods.REGISTRY`'s order (a test keeps the two equal): a typo in
+# `method` is refused here, before the methods (and torch, transformers: seconds) are imported.
+METHOD_NAMES = ("pflalign", "pflalign-no-precond", "pflalign-no-correction", "pflalign-const-gamma",
+                "pflalign-hard-gamma", "pflalign-no-personal-init", "fedavg", "fedprox", "fedsam", "scaffold",
+                "feddyn", "fedadam", "fedyogi", "fedadagrad", "fedgloss", "local", "ffa-lora", "fedsa-lora", "fedsvd")
 OPTIMIZERS = ("sgd", "adamw")  # optimizer.name (pflalign.optim)
 SCHEDULES = ("constant", "cosine")  # optimizer.schedule
 
@@ -147,6 +152,12 @@ PRESETS: dict[str, dict] = {
 def _suggest(key: str, valid) -> str:
     close = difflib.get_close_matches(key, list(valid), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_method_name(name: str) -> None:
+    """Refuse a method that is not in `METHOD_NAMES`, with the closest name."""
+    if name not in METHOD_NAMES:
+        raise UserError(f"unknown method {name!r}{_suggest(name, METHOD_NAMES)}; run `pflalign methods` for the list")
 
 
 def _coerce(value, tp, key: str):
@@ -259,6 +270,7 @@ def load_config_source(source: str | None) -> dict:
 def check(cfg: RunConfig) -> None:
     """Every check of a config's own values: the ranges below and `check_values`; what needs the
     methods or the data code (a method's arguments, partition options) is `pflalign.config.validate`'s."""
+    check_method_name(cfg.method)
     checks = [
         (cfg.rounds > 0, f"rounds must be > 0, got {cfg.rounds}"),
         (cfg.local_steps > 0, f"local_steps must be > 0, got {cfg.local_steps}"),

@@ -1,14 +1,13 @@
 """The registry of federated methods: name → class. `pflalign methods` lists it.
 
 Adding a method = one module with a `Method` subclass (its `name`, `label` and
-`family` on the class), plus its line in `REGISTRY` here.
+`family` on the class), plus its line in `REGISTRY` here and its name in
+`pflalign.settings.METHOD_NAMES` (checked before torch is imported).
 """
 
 from __future__ import annotations
 
-import difflib
-
-from ..errors import UserError
+from ..settings import check_method_name
 from .base import Method
 from .fedavg import FedAvg
 from .feddyn import FedDyn
@@ -46,10 +45,7 @@ PFLALIGN = tuple(c for c in REGISTRY if c.family == "pFLAlign")
 
 
 def method_class(name: str) -> type[Method]:
-    if name not in METHODS:
-        close = difflib.get_close_matches(name, METHODS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise UserError(f"unknown method {name!r}{hint}; run `pflalign methods` for the list")
+    check_method_name(name)  # settings.METHOD_NAMES: the same names, checked without importing torch
     return METHODS[name]
 
 
