@@ -368,3 +368,28 @@ def to_dict(cfg: RunConfig) -> dict:
     if cfg.optimizer == OptimizerConfig():
         del out["optimizer"]
     return out
+
+
+def merge(into: dict, updates: dict) -> dict:
+    """Nested dict merge (later wins: a table merges key by key, any other value replaces),
+    leaving both inputs unchanged: the layers of a sweep's run config, a rescore's ``--set``."""
+    out = json.loads(json.dumps(into))
+    for key, value in updates.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = json.loads(json.dumps(value))
+    return out
+
+
+def flat(d: dict, empty_tables: bool = True, prefix: str = "") -> dict:
+    """{"a": {"b": 1}, "c": {}} → {"a.b": 1, "c": {}}: one dotted key per value, to compare two
+    configs key by key. `empty_tables` False drops an empty table (it has no keys to differ in:
+    a rescore's ``method_args: {}`` → ``{personalized: ...}`` is one changed key, not two)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and (v or not empty_tables):
+            out.update(flat(v, empty_tables, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
