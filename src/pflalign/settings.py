@@ -68,6 +68,7 @@ class DataConfig:
     test_set: str = "auto"  # auto | per_client | global (pflalign.data.federate)
     test_fraction: float = 0.1  # per_client / global hold-out: ceil(fraction x rows), seeded by split_seed
     drop_empty: bool = False  # files: drop (and count) rows with an empty instruction, response or label
+    client_names: str = "numbered"  # numbered: client_000, ...; labelled: client_000-<its most common label>
     template: str = "chat"  # chat: the tokenizer's chat template (plain when it has none); plain: always plain (base models)
 
 
@@ -361,12 +362,14 @@ def check_optimizer_values(cfg: RunConfig) -> None:
 
 
 def to_dict(cfg: RunConfig) -> dict:
-    """The config as written to config.json. The `optimizer` section (issue 42) only when it
-    differs from its defaults: a default run's config.json (and so the pinned results' hash
+    """The config as written to config.json. The `optimizer` section and `data.client_names`
+    (issue 42) only when they differ from their defaults: a default run's config.json (and so the pinned results' hash
     of it) stays what it was before the section existed; reading it back gives the defaults."""
     out = dataclasses.asdict(cfg)
     if cfg.optimizer == OptimizerConfig():
         del out["optimizer"]
+    if cfg.data.client_names == "numbered":  # the same for data.client_names (issue 42)
+        del out["data"]["client_names"]
     return out
 
 
