@@ -12,7 +12,8 @@ model is only its LoRA tensors, copied in and out of the live adapter
 
 A GGUF model (the embedded one too) is de-quantized once per host into a
 safetensors copy in the model cache and memory-mapped from there on every
-later load (`pflalign.model_cache`: about 1 s instead of 30 s, the same bits).
+later load (`pflalign.model_cache`: about 1 s instead of 30 s, the same bits);
+the process that trains copies the weights into its own memory (`hold_in_memory`).
 """
 
 from __future__ import annotations
@@ -203,8 +204,9 @@ def hold_in_memory(model: torch.nn.Module) -> torch.nn.Module:
     """Copy every parameter and buffer that lives in a memory-mapped file into ordinary memory.
 
     Why: safetensors memory-maps the weights, so under memory pressure the kernel drops their
-    pages (clean file pages are the first it reclaims; there is no swap for the rest) and reads
-    them back from disk at the next step: on SmolLM2 a step then re-reads up to its 538 MB
+    pages (clean file pages are what it reclaims first; without swap, all it can reclaim) and
+    the next step reads them back from disk: SmolLM2 with 128 MB of page cache left read
+    2.5 GB in 2 steps, the 538 MB file about twice a step, forward and backward
     (benchmarks/memory_pressure.py). Anonymous memory stays put, as in a plain HF loop whose
     model was built in memory. The cost: the pages are this process's own, no longer shared
     with the other processes mapping the same file (the engine's workers, Flower's ClientApps
