@@ -201,7 +201,8 @@ def mapped_files(model: torch.nn.Module) -> set[str]:
 
 
 def hold_in_memory(model: torch.nn.Module) -> torch.nn.Module:
-    """Copy every parameter and buffer that lives in a memory-mapped file into ordinary memory.
+    """When some of `model`'s weights live in a memory-mapped file, copy every parameter and
+    buffer into ordinary memory (nothing to do for a model built or loaded in memory).
 
     Why: safetensors memory-maps the weights, so under memory pressure the kernel drops their
     pages (clean file pages are what it reclaims first; without swap, all it can reclaim) and

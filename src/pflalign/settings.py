@@ -363,12 +363,13 @@ def check_optimizer_values(cfg: RunConfig) -> None:
 
 def to_dict(cfg: RunConfig) -> dict:
     """The config as written to config.json. The `optimizer` section and `data.client_names`
-    (issue 42) only when they differ from their defaults: a default run's config.json (and so the pinned results' hash
-    of it) stays what it was before the section existed; reading it back gives the defaults."""
+    (issue 42) only when they differ from their defaults: a default run's config.json (and so
+    the pinned results' hash of it) stays what it was before they existed; reading it back
+    gives the defaults."""
     out = dataclasses.asdict(cfg)
     if cfg.optimizer == OptimizerConfig():
         del out["optimizer"]
-    if cfg.data.client_names == "numbered":  # the same for data.client_names (issue 42)
+    if cfg.data.client_names == "numbered":
         del out["data"]["client_names"]
     return out
 
