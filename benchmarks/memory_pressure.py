@@ -1,7 +1,7 @@
 """Training steps under memory pressure: pflalign's step against a plain HF + PEFT loop.
 
     sudo .venv/bin/python benchmarks/memory_pressure.py --data-dir ../shared/data --data flan --steps 2 \
-        --out benchmarks/results/memory_pressure.json
+        --headroom-mb 32 --out benchmarks/results/memory_pressure.json
 
 Why: issue 42 saw pflalign's step collapse (8-10 tok/s) where a plain HF + PEFT loop
 only slowed (17-29 tok/s) while other jobs had filled the machine's memory. The
@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/memory_pressure.json")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per pass (after one warm-up step)")
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--headroom-mb", type=int, default=128,
+    parser.add_argument("--headroom-mb", type=int, default=32,
                         help="page cache left to the process under pressure, above its peak anonymous memory")
     parser.add_argument("--cache", default="/tmp/pflalign-memory-pressure-cache",
                         help="where the private copy of the model cache goes (kept for the next run)")

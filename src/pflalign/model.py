@@ -206,8 +206,8 @@ def hold_in_memory(model: torch.nn.Module) -> torch.nn.Module:
 
     Why: safetensors memory-maps the weights, so under memory pressure the kernel drops their
     pages (clean file pages are what it reclaims first; without swap, all it can reclaim) and
-    the next step reads them back from disk: SmolLM2 with 128 MB of page cache left read
-    2.5 GB in 2 steps, the 538 MB file about twice a step, forward and backward
+    the next step reads them back from disk: SmolLM2 with 32 MB of page cache left read
+    9.4 GB in 2 steps, its 538 MB file about 9 times a step, and ran at 0.32x its rate
     (benchmarks/memory_pressure.py). Anonymous memory stays put, as in a plain HF loop whose
     model was built in memory. The cost: the pages are this process's own, no longer shared
     with the other processes mapping the same file (the engine's workers, Flower's ClientApps
