@@ -184,6 +184,7 @@ def tiny_config(method: str, device: str, dtype: str) -> dict:
 def tiny_run(method: str, device: str, dtype: str, root: Path) -> tuple[dict, dict]:
     """(figures, the final global adapter) of one pinned configuration's 2-round run."""
     from pflalign import checkpoint as ckpt
+    from pflalign.client_store import client_records, tensors_in
     from pflalign.config import build_config
     from pflalign.engine import run
 
@@ -193,34 +194,13 @@ def tiny_run(method: str, device: str, dtype: str, root: Path) -> tuple[dict, di
     lines = [json.loads(line) for line in (out / ckpt.METRICS).read_text().splitlines()]
     losses = [line["loss"] for line in lines if line.get("event") == "train_step"]
     glob = {n: t.detach().float().cpu() for n, t in saved["global"].items()}
-    state_dtypes = sorted({str(t.dtype) for t in _tensors(saved["server_state"])}
-                          | {str(t.dtype) for t in _tensors(saved["global"])})
+    state_dtypes = sorted({str(t.dtype) for t in tensors_in(saved["server_state"])}
+                          | {str(t.dtype) for t in tensors_in(saved["global"])})
     figures = {"losses": losses, "avg_rouge_l_personalized": results["avg_rouge_l_personalized"],
                "avg_rouge_l_global": results["avg_rouge_l_global"],
                "adapter_and_server_state_dtypes": state_dtypes,
-               "client_state_dtypes": _client_state_dtypes(out)}
+               "client_state_dtypes": sorted({str(t.dtype) for t in tensors_in(client_records(out, saved))})}
     return figures, glob
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
-def _client_state_dtypes(out: Path) -> list[str]:
-    """The dtypes of every tensor the clients' state files hold (method state, personalized adapter)."""
-    from safetensors.torch import load_file
-
-    found = set()
-    for f in sorted((out / "clients").rglob("*.safetensors")):
-        found |= {str(t.dtype) for t in load_file(str(f)).values()}
-    return sorted(found)
 
 
 def rel_diff(a: torch.Tensor | float, b: torch.Tensor | float) -> float:

@@ -377,6 +377,49 @@ def test_after_partitioning_one_table_gives_each_clients_size_and_label_mix(tmp_
     assert skewed  # alpha 0.3: not vacuous, some client is dominated by one label
 
 
+def test_labelled_client_names_carry_the_most_common_label_and_change_nothing_else(tmp_path, caplog):
+    """Issue 42: data.client_names=labelled names client k `client_00k-<its most common training
+    label>` (in the mix table, results.json and everything that reads the names); the clients'
+    examples are the numbered ones' (the test hold-outs stay seeded by the plain name)."""
+    import logging
+
+    from pflalign.partition import client_names, client_shares
+
+    path = _write_all_formats(tmp_path, _rows(90, labels=("a", "b", "c")))["jsonl"]
+    spec = PartitionSpec("dirichlet", 3, 0.3, None, None, 7)
+    numbered, _ = load_partitioned("files", str(path), None, 42, None, None,
+                                   _opts(partition_by="who", spec=spec, test_set="per_client"))
+    with caplog.at_level(logging.INFO, logger="pflalign.data.federate"):
+        labelled, info = load_partitioned("files", str(path), None, 42, None, None,
+                                          _opts(partition_by="who", spec=spec, test_set="per_client",
+                                                client_names="labelled"))
+    for k, (plain, named) in enumerate(zip(numbered, labelled, strict=True)):
+        assert (named.train, named.test) == (plain.train, plain.test)  # the same rows
+        label = Counter(info["clients"][k]["labels"]).most_common(1)[0][0]
+        assert named.task == f"client_{k:03d}-{label}" == info["clients"][k]["name"]
+    table = next(m for m in caplog.messages if m.startswith("client "))
+    assert [line.split()[0] for line in table.splitlines()[1:]] == [c.task for c in labelled]
+    # through the config: the names are read off the data; the default's config.json stays as it was
+    sets = ["data.name=files", f"data.dir={path}", "data.columns.instruction=q", "data.columns.response=ans",
+            "data.partition=dirichlet", "data.num_clients=3", "data.alpha=0.3", "data.seed=7", "data.partition_by=who"]
+    cfg = build_config(None, parse_set(sets + ["data.client_names=labelled"]))
+    assert client_names(cfg) == [s.name for s in client_shares(cfg)] and client_names(cfg)[0].startswith("client_000-")
+    from pflalign.config import to_dict
+
+    assert "client_names" not in to_dict(build_config(None, parse_set(sets)))["data"]
+    assert to_dict(cfg)["data"]["client_names"] == "labelled"
+
+
+@pytest.mark.parametrize("sets, match", [
+    (["data.name=dolly", "data.client_names=labelled"], "already is one label"),
+    (["data.name=files", "data.partition=iid", "data.num_clients=2", "data.client_names=labelled"], "partition_by"),
+    (["data.name=files", "data.partition=iid", "data.num_clients=2", "data.client_names=label"], "numbered or labelled"),
+])
+def test_labelled_client_names_are_refused_where_no_label_names_a_client(sets, match):
+    with pytest.raises(UserError, match=match):
+        build_config(None, parse_set(sets))
+
+
 def test_mix_table_shows_the_first_clients_and_says_how_many_more():
     from pflalign.data.federate import mix_table
 

@@ -116,6 +116,22 @@ def test_a_clientapp_that_does_not_fit_the_run_is_refused(tmp_path, monkeypatch)
         client_app.build_client(natural, context(3, 4))
 
 
+def test_labelled_client_names_are_read_off_the_data_by_server_and_clientapp(tmp_path, monkeypatch):
+    """data.client_names=labelled: the names carry each client's most common label, so the
+    ServerApp reads them off the data, and a ClientApp's client is the engine's client k."""
+    monkeypatch.setenv("PFLALIGN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(client_app, "_CACHE", {})
+    path = rows_file(tmp_path)
+    cfg = build_config(None, partition_config(path, {**DIRICHLET, "client_names": "labelled"}))
+    names = wire.client_names(cfg)
+    assert names == [c.name for c in Federation(cfg, progress=False).clients]
+    assert [n.split("-", 1)[0] for n in names] == [f"client_00{k}" for k in range(4)] and all("-" in n for n in names)
+    assert client_app.build_client(cfg, context(2, 4))[1].name == names[2]
+    missing = build_config(None, partition_config(tmp_path / "absent.jsonl", {**DIRICHLET, "client_names": "labelled"}))
+    with pytest.raises(UserError, match="names the clients of data.client_names=labelled .* by reading data.dir"):
+        wire.client_names(missing)
+
+
 # ---- the server: which SuperNode is which client ------------------------------------------------
 class FakeGrid:
     """SuperNodes that answer the query with their node config; `appear[node]`: how many looks

@@ -207,3 +207,18 @@ def test_export_reads_one_client_at_a_time(tmp_path, monkeypatch):
     events.clear()
     export.export_run(tmp_path / "run", tmp_path / "one", client="key_value")
     assert events == [("read", 2), ("write", "key_value")]
+
+
+def test_tensors_in_reads_the_clients_files(tmp_path):
+    """`client_store.tensors_in` walks `client_records`' clients (a Sequence read from the files,
+    not a list) as well as a checkpoint's nested dicts."""
+    from pflalign.client_store import ClientStore, tensors_in
+
+    store = ClientStore(tmp_path, ["a", "b"])
+    store.folder.mkdir()
+    store.save(1, 1, {"delta": {"w": torch.ones(2, dtype=torch.float64)}}, {"w": torch.zeros(3)})
+    payload = {"client_records": store.table()}
+    found = list(tensors_in(client_records(tmp_path, payload)))
+    assert sorted((str(t.dtype), t.numel()) for t in found) == [("torch.float32", 3), ("torch.float64", 2)]
+    assert [t.numel() for t in tensors_in({"g": {"x": torch.ones(4)}, "s": [torch.ones(1), (torch.ones(2), "no")]})] \
+        == [4, 1, 2]

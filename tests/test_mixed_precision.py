@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
+from pflalign.client_store import client_records, tensors_in
 from pflalign.config import build_config
 from pflalign.engine import run
 from pflalign.export import ADAPTERS
@@ -26,17 +27,6 @@ LOSS_RTOL, ADAPTER_RTOL = 2e-3, 5e-2
 
 def _config(method: str, dtype: str):
     return build_config(None, {**json.loads(json.dumps(TINY)), "method": method, "dtype": dtype})
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 def _losses(out) -> list[float]:
@@ -66,9 +56,9 @@ def test_two_bf16_rounds_are_float32_state_finite_and_close_to_float32(method, t
     saved = ckpt.load_checkpoint(tmp_path / "bf16" / ckpt.CHECKPOINT)
     reference = ckpt.load_checkpoint(tmp_path / "fp32" / ckpt.CHECKPOINT)
     # the global adapter, the server's state and every client's state and personalized adapter
-    from pflalign.client_store import client_records
-    clients = client_records(tmp_path / "bf16", saved)
-    held = list(_tensors(saved["global"])) + list(_tensors(saved["server_state"])) + list(_tensors(clients))
+    clients = list(tensors_in(client_records(tmp_path / "bf16", saved)))
+    assert clients  # read from the clients' files (a Sequence, not a list: once walked past unseen)
+    held = list(tensors_in(saved["global"])) + list(tensors_in(saved["server_state"])) + clients
     floats = {t.dtype for t in held if t.is_floating_point()}
     assert floats <= {torch.float32, torch.float64} and torch.float32 in floats
     assert all(bool(torch.isfinite(t).all()) for t in held if t.is_floating_point())

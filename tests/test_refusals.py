@@ -312,15 +312,18 @@ def test_safetensors_full_disk_text_becomes_the_disk_full_line(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("setting", ["lr=abc", "lorra.r=8", "data.partition=dirichlet"])
-def test_a_config_mistake_is_reported_before_torch_or_transformers_load(setting, tmp_path):
+@pytest.mark.parametrize("args", [["--set", "lr=abc"], ["--set", "lorra.r=8"], ["--set", "data.partition=dirichlet"],
+                                  ["--set", "method=fedavgg"], ["--method", "fedavgg"]])
+def test_a_config_mistake_is_reported_before_torch_or_transformers_load(args, tmp_path):
     """Issue 42: `pflalign run` checks the config before it imports the engine (torch and
     transformers: 4 s quiet, 25 s under load, before the error line)."""
     probe = ("import sys\nfrom pflalign.cli import main\ncode = main(sys.argv[1:])\n"
              "print(code, 'torch' in sys.modules, 'transformers' in sys.modules)")
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run([sys.executable, "-c", probe, "run", "--set", setting, "--out", str(tmp_path / "run")],
+    done = subprocess.run([sys.executable, "-c", probe, "run", *args, "--out", str(tmp_path / "run")],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["2", "False", "False"], (done.stdout, done.stderr)
     assert done.stderr.startswith("pflalign: error: ") and len(done.stderr.strip().splitlines()) == 1
+    if "fedavgg" in args[-1]:
+        assert "unknown method 'fedavgg' (did you mean 'fedavg'?)" in done.stderr
     assert not (tmp_path / "run").exists()

@@ -89,6 +89,14 @@ def test_registries_name_the_shipped_ones():
     assert DATASETS["files"].load is None and DATASETS["files"].categories == ()  # your own data: a table only
 
 
+def test_the_config_check_knows_every_method_by_name():
+    """settings.METHOD_NAMES (checked before torch is imported) is the registry's names, in its order."""
+    from pflalign.methods import METHODS
+    from pflalign.settings import METHOD_NAMES
+
+    assert METHOD_NAMES == tuple(METHODS)
+
+
 def test_export_names_the_clients_of_an_unfinished_partitioned_run(tmp_path):
     """`pflalign export` of a run without results.json names its clients as the run did; at
     3308221 a hard-coded {synthetic, dolly, flan} table raised KeyError: 'files' here."""

@@ -266,3 +266,16 @@ def test_issue_38s_grid_files_plan_and_the_committed_runs_are_theirs(tmp_path):
     committed = {p.parent.relative_to(here).as_posix() for p in here.rglob(ckpt.RESULTS)}
     rescored = {c for c in committed if "personalized=after_aggregation" in c}
     assert committed - rescored <= finished, sorted(committed - rescored - finished)
+
+
+def test_flat_and_merge_the_configs_that_sweep_and_rescore_compare():
+    from pflalign.settings import flat, merge
+
+    saved = {"lr": 0.1, "method_args": {}, "eval": {"every": 0, "batch_size": 4}}
+    # a sweep compares empty tables too; a rescore drops them (`method_args: {}` -> `{personalized: x}`
+    # is one changed key)
+    assert flat(saved) == {"lr": 0.1, "method_args": {}, "eval.every": 0, "eval.batch_size": 4}
+    assert flat(saved, empty_tables=False) == {"lr": 0.1, "eval.every": 0, "eval.batch_size": 4}
+    merged = merge(saved, {"eval": {"every": 2}, "method_args": {"personalized": "x"}, "lr": [1, 2]})
+    assert merged == {"lr": [1, 2], "method_args": {"personalized": "x"}, "eval": {"every": 2, "batch_size": 4}}
+    assert saved == {"lr": 0.1, "method_args": {}, "eval": {"every": 0, "batch_size": 4}}  # inputs unchanged

@@ -44,12 +44,14 @@ def cmd_run(args) -> int:
     overrides = parse_set(args.set or [])
     if args.data_dir is not None:
         overrides.setdefault("data", {})["dir"] = args.data_dir
+    if args.method is not None:
+        overrides["method"] = args.method
     if args.stop_after_rounds is not None and args.stop_after_rounds < 1:
         raise UserError(f"--stop-after-rounds must be >= 1, got {args.stop_after_rounds}")
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
-    if args.resume and (args.set or args.data_dir):
-        raise UserError("--resume continues with the run's saved config; drop --set/--data-dir")
+    if args.resume and (args.set or args.data_dir or args.method):
+        raise UserError("--resume continues with the run's saved config; drop --set/--data-dir/--method")
     cfg = None if args.resume else build_config(args.config, overrides)
     # the engine (torch, transformers: seconds, more under load) only once the config is checked
     from .engine import run
@@ -163,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", help="a preset (demo, flan-paper, dolly-paper) or a TOML/JSON file")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key (repeatable), e.g. method=fedavg lora.r=8")
     run.add_argument("--data-dir", help="dataset location (same as --set data.dir=...)")
+    run.add_argument("--method", help="the method (same as --set method=...); `pflalign methods` lists them")
     run.add_argument("--out", required=True, help="run directory")
     run.add_argument("--resume", action="store_true", help="continue an unfinished run in --out")
     run.add_argument("--overwrite", action="store_true", help="replace a run already in --out")

@@ -30,7 +30,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,3 +202,17 @@ class _StoredClients(Sequence):
         loaded = self.store.load(k, "cpu")
         state, personalized = loaded if loaded is not None else (self.fresh_state and self.fresh_state(), None)
         return {"name": rec.name, "state": state, "personalized": personalized, "steps_taken": rec.steps_taken}
+
+
+def tensors_in(obj) -> Iterator[torch.Tensor]:
+    """Every tensor in a nest of mappings and sequences: a checkpoint's ``global`` or
+    ``server_state``, or `client_records`' clients (read from their files one at a time), e.g.
+    to check the dtypes a run keeps (tests/test_mixed_precision.py, benchmarks/gpu.py)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
+        for v in obj:
+            yield from tensors_in(v)

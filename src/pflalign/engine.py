@@ -25,6 +25,7 @@ from . import allocator, checkpoint as ckpt, export, run_dir, tensorboard
 from .client import Client, draw_batches, make_client
 from .client_store import ClientStore
 from .config import RunConfig, make_method, to_dict
+from .settings import flat, merge
 from .data_cache import client_data
 from .errors import OutOfMemory, RunInterrupted, TrainingDiverged, UserError
 from .evaluate import add_exact_match
@@ -58,7 +59,9 @@ class Federation:
         shares, self.data_info = client_shares_described(cfg)
         self.workers = bound_workers(workers, len(sample_clients(len(shares), cfg.participation, cfg.seed, 0)),
                                      len(eval_clients(len(shares), cfg.eval.clients, cfg.seed)))
-        self.lm = build_model(cfg)
+        # training here: the weights in this process's memory (page cache is the first thing reclaimed
+        # under pressure: benchmarks/memory_pressure.py); with workers they train there, mapping one file
+        self.lm = build_model(cfg, in_memory=self.workers == 1)
         self.lm.check_max_seq_len(cfg.max_seq_len)
         self.method: Method = make_method(cfg)
         self.global_params = self.lm.get_lora()
@@ -352,17 +355,6 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         rec.close()
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1}, "c": {}} → {"a.b": 1} (an empty table has no keys to differ in)."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def rescored_config(source: Path, overrides: dict) -> RunConfig:
     """A finished run's config with `overrides` that change only what is evaluated: ``eval.*`` keys
     and the method's evaluation arguments (`Method.evaluation_args`, e.g. which model is the
@@ -372,9 +364,9 @@ def rescored_config(source: Path, overrides: dict) -> RunConfig:
     from .methods import method_class
 
     saved = to_dict(saved_config(source))
-    cfg = build_config(None, _merge_dicts(saved, overrides))
+    cfg = build_config(None, merge(saved, overrides))
     allowed = {f"method_args.{a}" for a in method_class(cfg.method).evaluation_args}
-    before, after = _flat(saved), _flat(to_dict(cfg))
+    before, after = flat(saved, empty_tables=False), flat(to_dict(cfg), empty_tables=False)
     changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
     training = [k for k in changed if not (k.startswith("eval.") or k in allowed)]
     if training:
@@ -384,14 +376,6 @@ def rescored_config(source: Path, overrides: dict) -> RunConfig:
     if not changed:
         raise UserError("rescore needs --set with an evaluation setting that differs from the run's")
     return cfg
-
-
-def _merge_dicts(into: dict, updates: dict) -> dict:
-    out = dict(into)
-    for key, value in updates.items():
-        out[key] = _merge_dicts(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
-            else value
-    return out
 
 
 def rescore(source: Path | str, out: Path | str, overrides: dict, overwrite: bool = False,

@@ -12,7 +12,8 @@ model is only its LoRA tensors, copied in and out of the live adapter
 
 A GGUF model (the embedded one too) is de-quantized once per host into a
 safetensors copy in the model cache and memory-mapped from there on every
-later load (`pflalign.model_cache`: about 1 s instead of 30 s, the same bits).
+later load (`pflalign.model_cache`: about 1 s instead of 30 s, the same bits);
+the process that trains copies the weights into its own memory (`hold_in_memory`).
 """
 
 from __future__ import annotations
@@ -72,13 +73,15 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def build_model(cfg, device: str | None = None) -> "FederatedLM":
+def build_model(cfg, device: str | None = None, in_memory: bool = False) -> "FederatedLM":
     """The run's model with its seeded LoRA adapter w^0 (on `device`; None: the config's, where
-    it trains): the one constructor every engine uses."""
+    it trains): the one constructor every engine uses. `in_memory`: the base weights are copied
+    out of their memory-mapped file (`hold_in_memory`): for the one process that trains."""
     if device is None:
         device = resolve_device(cfg.device)
         check_dtype(cfg.dtype, device)
-    return FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=getattr(torch, cfg.dtype), device=device)
+    return FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=getattr(torch, cfg.dtype), device=device,
+                             in_memory=in_memory)
 
 
 def check_dtype(dtype: str, device: str) -> None:
@@ -177,8 +180,54 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def load_base_model(spec: str, dtype: torch.dtype = torch.float32):
-    """Return (model, tokenizer) for a model spec; see the module docstring."""
+def mapped_files(model: torch.nn.Module) -> set[str]:
+    """The files whose memory mapping holds some of `model`'s parameters or buffers (Linux:
+    read off /proc/self/maps; elsewhere, and for a model in ordinary memory, empty)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    spans = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((lo, hi, fields[5]))
+    found = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        ptr = t.data_ptr()
+        found.update(name for lo, hi, name in spans if lo <= ptr < hi)
+    return found
+
+
+def hold_in_memory(model: torch.nn.Module) -> torch.nn.Module:
+    """When some of `model`'s weights live in a memory-mapped file, copy every parameter and
+    buffer into ordinary memory (nothing to do for a model built or loaded in memory).
+
+    Why: safetensors memory-maps the weights, so under memory pressure the kernel drops their
+    pages (clean file pages are what it reclaims first; without swap, all it can reclaim) and
+    the next step reads them back from disk: SmolLM2 with 32 MB of page cache left read
+    9.4 GB in 2 steps, its 538 MB file about 9 times a step, and ran at 0.32x its rate
+    (benchmarks/memory_pressure.py). Anonymous memory stays put, as in a plain HF loop whose
+    model was built in memory. The cost: the pages are this process's own, no longer shared
+    with the other processes mapping the same file (the engine's workers, Flower's ClientApps
+    keep the mapping). Same bytes either way (a clone); tied weights stay tied (one Parameter)."""
+    files = mapped_files(model)
+    if not files:
+        return model
+    with torch.no_grad():
+        for p in model.parameters():  # each Parameter once: tied weights share one
+            p.data = p.data.clone()
+        for module in model.modules():
+            for name, b in module._buffers.items():
+                if b is not None:
+                    module._buffers[name] = b.clone()
+    return model
+
+
+def load_base_model(spec: str, dtype: torch.dtype = torch.float32, in_memory: bool = False):
+    """Return (model, tokenizer) for a model spec; see the module docstring. `in_memory`: the
+    weights are copied out of their memory-mapped file (`hold_in_memory`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if spec in TINY_MODELS:  # initialised in float32 (the seeded weights of every dtype), then cast
@@ -214,6 +263,8 @@ def load_base_model(spec: str, dtype: torch.dtype = torch.float32):
         raise UserError(f"cannot load model {spec!r}: damaged or truncated GGUF file ({kind}: {_first_line(exc)[:120]})") from exc
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if in_memory:
+        hold_in_memory(model)
     return model, tok
 
 
@@ -236,8 +287,9 @@ class FederatedLM:
     fused_norms: int = 0  # RMSNorms that train through rms_norm.RMSNorm
 
     @classmethod
-    def build(cls, spec: str, lora: LoraSettings, seed: int, dtype=torch.float32, device="cpu"):
-        base, tok = load_base_model(spec, dtype)
+    def build(cls, spec: str, lora: LoraSettings, seed: int, dtype=torch.float32, device="cpu",
+              in_memory: bool = False):
+        base, tok = load_base_model(spec, dtype, in_memory=in_memory)
         return cls.from_base(base, tok, lora, seed, device)
 
     @classmethod

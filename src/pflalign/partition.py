@@ -39,9 +39,12 @@ def names_from_config(cfg: RunConfig) -> list[str] | None:
     the config alone says them: one client per category (`by_category`), ``client_000`` ... for
     the ``data.num_clients`` clients of every partition but natural, the labels of
     ``data.clients`` (Dolly's and FLAN's default: the paper's categories) for a natural one.
-    None for a natural partition of your own files without ``data.clients``: its clients are
-    the values of the ``partition_by`` column, known once the data is read (`client_names`)."""
+    None for a natural partition of your own files without ``data.clients`` (its clients are
+    the values of the ``partition_by`` column) and with ``data.client_names=labelled`` (each
+    name carries its client's most common label): known once the data is read (`client_names`)."""
     if uses_partitioner(cfg):
+        if cfg.data.client_names == "labelled":
+            return None  # each name carries its client's most common label: known once the data is read
         if cfg.data.partition != "natural":
             return [partition_name(k) for k in range(cfg.data.num_clients)]
         clients = cfg.data.clients

@@ -68,6 +68,7 @@ class DataConfig:
     test_set: str = "auto"  # auto | per_client | global (pflalign.data.federate)
     test_fraction: float = 0.1  # per_client / global hold-out: ceil(fraction x rows), seeded by split_seed
     drop_empty: bool = False  # files: drop (and count) rows with an empty instruction, response or label
+    client_names: str = "numbered"  # numbered: client_000, ...; labelled: client_000-<its most common label>
     template: str = "chat"  # chat: the tokenizer's chat template (plain when it has none); plain: always plain (base models)
 
 
@@ -86,6 +87,11 @@ class LogConfig:
     tensorboard: bool = False  # also log per-round scalars to <out>/tensorboard (extra: pflalign[tensorboard])
 
 
+# The methods' names in `pflalign.methods.REGISTRY`'s order (a test keeps the two equal): a typo in
+# `method` is refused here, before the methods (and torch, transformers: seconds) are imported.
+METHOD_NAMES = ("pflalign", "pflalign-no-precond", "pflalign-no-correction", "pflalign-const-gamma",
+                "pflalign-hard-gamma", "pflalign-no-personal-init", "fedavg", "fedprox", "fedsam", "scaffold",
+                "feddyn", "fedadam", "fedyogi", "fedadagrad", "fedgloss", "local", "ffa-lora", "fedsa-lora", "fedsvd")
 OPTIMIZERS = ("sgd", "adamw")  # optimizer.name (pflalign.optim)
 SCHEDULES = ("constant", "cosine")  # optimizer.schedule
 
@@ -147,6 +153,12 @@ PRESETS: dict[str, dict] = {
 def _suggest(key: str, valid) -> str:
     close = difflib.get_close_matches(key, list(valid), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_method_name(name: str) -> None:
+    """Refuse a method that is not in `METHOD_NAMES`, with the closest name."""
+    if name not in METHOD_NAMES:
+        raise UserError(f"unknown method {name!r}{_suggest(name, METHOD_NAMES)}; run `pflalign methods` for the list")
 
 
 def _coerce(value, tp, key: str):
@@ -259,6 +271,7 @@ def load_config_source(source: str | None) -> dict:
 def check(cfg: RunConfig) -> None:
     """Every check of a config's own values: the ranges below and `check_values`; what needs the
     methods or the data code (a method's arguments, partition options) is `pflalign.config.validate`'s."""
+    check_method_name(cfg.method)
     checks = [
         (cfg.rounds > 0, f"rounds must be > 0, got {cfg.rounds}"),
         (cfg.local_steps > 0, f"local_steps must be > 0, got {cfg.local_steps}"),
@@ -349,10 +362,38 @@ def check_optimizer_values(cfg: RunConfig) -> None:
 
 
 def to_dict(cfg: RunConfig) -> dict:
-    """The config as written to config.json. The `optimizer` section (issue 42) only when it
-    differs from its defaults: a default run's config.json (and so the pinned results' hash
-    of it) stays what it was before the section existed; reading it back gives the defaults."""
+    """The config as written to config.json. The `optimizer` section and `data.client_names`
+    (issue 42) only when they differ from their defaults: a default run's config.json (and so
+    the pinned results' hash of it) stays what it was before they existed; reading it back
+    gives the defaults."""
     out = dataclasses.asdict(cfg)
     if cfg.optimizer == OptimizerConfig():
         del out["optimizer"]
+    if cfg.data.client_names == "numbered":
+        del out["data"]["client_names"]
+    return out
+
+
+def merge(into: dict, updates: dict) -> dict:
+    """Nested dict merge (later wins: a table merges key by key, any other value replaces),
+    leaving both inputs unchanged: the layers of a sweep's run config, a rescore's ``--set``."""
+    out = json.loads(json.dumps(into))
+    for key, value in updates.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = json.loads(json.dumps(value))
+    return out
+
+
+def flat(d: dict, empty_tables: bool = True, prefix: str = "") -> dict:
+    """{"a": {"b": 1}, "c": {}} → {"a.b": 1, "c": {}}: one dotted key per value, to compare two
+    configs key by key. `empty_tables` False drops an empty table (it has no keys to differ in:
+    a rescore's ``method_args: {}`` → ``{personalized: ...}`` is one changed key, not two)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and (v or not empty_tables):
+            out.update(flat(v, empty_tables, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
     return out

@@ -51,6 +51,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from .config import RunConfig, build_config, load_config_source, to_dict
+from .settings import flat, merge
 from .errors import TrainingDiverged, UserError
 from .methods import method_class
 from .report import read_results
@@ -162,17 +163,6 @@ def load_sweep_source(source: str) -> dict:
     return load_config_source(source)
 
 
-def _merge(into: dict, updates: dict) -> dict:
-    """Nested dict merge (later wins), leaving both inputs unchanged."""
-    out = json.loads(json.dumps(into))
-    for key, value in updates.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = json.loads(json.dumps(value))
-    return out
-
-
 def _list_of(spec: dict, key: str, kind: type) -> list:
     values = spec.get(key)
     if not isinstance(values, list) or not values:
@@ -261,15 +251,15 @@ def plan_sweep(source: str, out: Path | str, overrides: dict | None = None,
             raise UserError(f"{where}: 'config' must be a preset name or a file path")
         common = load_config_source(entry.get("config"))
         for layer in (base, _table(entry, "set", where), overrides or {}):
-            common = _merge(common, layer)
+            common = merge(common, layer)
         chosen_dir = data_dir if data_dir is not None else entry.get("data_dir")
         if chosen_dir is not None:
-            common = _merge(common, {"data": {"dir": _absolute_if_exists(str(chosen_dir))}})
+            common = merge(common, {"data": {"dir": _absolute_if_exists(str(chosen_dir))}})
         for method, (variant, args, run_keys) in ((m, p) for m in methods for p in points[m]):
             for seed in seeds:
-                layers = _merge(common, {"method_args": _table(per_method, method, "sweep config method_args")})
-                layers = _merge(layers, _nested(run_keys))
-                layers = _merge(layers, {"method": method, "seed": seed, "method_args": args})
+                layers = merge(common, {"method_args": _table(per_method, method, "sweep config method_args")})
+                layers = merge(layers, _nested(run_keys))
+                layers = merge(layers, {"method": method, "seed": seed, "method_args": args})
                 cfg = build_config(None, layers)
                 if cfg.data.name != "synthetic" and not cfg.data.dir:
                     raise UserError(f"dataset {name!r} ({cfg.data.name}) needs its data: pass --data-dir "
@@ -336,26 +326,16 @@ def _absolute_if_exists(path: str) -> str:
     return str(p.resolve()) if p.exists() else path
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _check_same_config(run: PlannedRun) -> None:
     """Refuse to skip or resume a run directory that was made with other settings."""
     saved_path = (run.done or run.out) / ckpt.CONFIG
     if run.state() == "new" or not saved_path.exists():
         return
     try:
-        saved = _flat(to_dict(build_config(None, json.loads(saved_path.read_text()))))
+        saved = flat(to_dict(build_config(None, json.loads(saved_path.read_text()))))
     except (UserError, ValueError, OSError) as exc:  # ValueError: not JSON, not UTF-8
         raise UserError(f"{saved_path}: unreadable saved config ({exc})") from exc
-    wanted = _flat(json.loads(json.dumps(to_dict(run.cfg))))
+    wanted = flat(json.loads(json.dumps(to_dict(run.cfg))))
     if run.done is not None:  # a copy made on another machine: the same data may lie elsewhere there
         saved.pop("data.dir", None), wanted.pop("data.dir", None)
     diffs = [f"{k}: {saved.get(k)!r} there, {wanted.get(k)!r} now"

@@ -43,6 +43,7 @@ from pflalign.errors import UserError
 log = logging.getLogger(__name__)
 
 TEST_SETS = ("auto", "per_client", "global")
+CLIENT_NAMES = ("numbered", "labelled")  # data.client_names
 DEFAULT_TEST_FRACTION = 0.1  # Dolly's ceil(10%) hold-out
 
 
@@ -56,6 +57,7 @@ class FederationOptions:
     test_fraction: float = DEFAULT_TEST_FRACTION
     columns: Columns = field(default_factory=Columns)
     drop_empty: bool = False
+    client_names: str = "numbered"
 
     @classmethod
     def from_config(cls, data: Any) -> FederationOptions:
@@ -70,7 +72,7 @@ class FederationOptions:
             partition=PartitionSpec(data.partition, data.num_clients, data.alpha, data.min_partition_size,
                                     data.shards_per_client, partition_seed(data)),
             partition_by=data.partition_by, test_set=data.test_set, test_fraction=data.test_fraction,
-            columns=columns, drop_empty=data.drop_empty,
+            columns=columns, drop_empty=data.drop_empty, client_names=getattr(data, "client_names", "numbered"),
         )
 
     def is_default(self) -> bool:
@@ -100,6 +102,14 @@ def check_options(name: str, options: FederationOptions) -> None:
             raise UserError(f"data.columns.{role} must be a column name, got {value!r}")
     if options.partition_by is not None and (not isinstance(options.partition_by, str) or not options.partition_by):
         raise UserError(f"data.partition_by must be a column name, got {options.partition_by!r}")
+    if options.client_names not in CLIENT_NAMES:
+        raise UserError(f"data.client_names must be numbered or labelled, got {options.client_names!r}")
+    if options.client_names == "labelled":
+        if options.partition.method == "natural":
+            raise UserError("data.client_names=labelled names a partition's clients by their most common label; "
+                            "with data.partition=natural each client already is one label, named by it")
+        if name == "files" and options.partition_by is None:
+            raise UserError("data.client_names=labelled needs the label a name carries: set data.partition_by=COLUMN")
     dataset = DATASETS.get(name)
     if name == "files":
         if options.partition.method == "natural" and options.partition_by is None:
@@ -225,6 +235,9 @@ def make_clients(
             label_of = {id(examples[i]): labels[i] for i in part.rows}  # the examples are the rows' own objects
             mixes.append(Counter(label_of[id(e)] for e in out[-1].train))
 
+    if options.client_names == "labelled":  # after the test hold-outs, which stay seeded by the plain name
+        out = [TaskData(f"{c.task}-{mix.most_common(1)[0][0]}" if mix else c.task, c.train, c.test)
+               for c, mix in zip(out, mixes, strict=True)]
     info = {
         **{k: v for k, v in table.info.items() if k != "dropped"},
         "partition": spec.method,

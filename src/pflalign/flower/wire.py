@@ -208,9 +208,9 @@ def config_from_json(text: str) -> RunConfig:
 
 def client_names(cfg: RunConfig) -> list[str]:
     """The name of every client (partition-id k is the k-th), on the ServerApp's host: from the
-    config (`pflalign.partition.names_from_config`: every federation but one), else, for a
-    natural partition of your own files by a column without ``data.clients``, read off the
-    data (``data.dir``) on this host."""
+    config (`pflalign.partition.names_from_config`), else, for a natural partition of your own
+    files by a column without ``data.clients`` or with ``data.client_names=labelled``, read
+    off the data (``data.dir``) on this host."""
     from ..partition import client_names as names, names_from_config
 
     known = names_from_config(cfg)
@@ -219,6 +219,9 @@ def client_names(cfg: RunConfig) -> list[str]:
     try:
         return names(cfg)
     except UserError as exc:
+        if cfg.data.client_names == "labelled":
+            raise UserError(f"the ServerApp names the clients of data.client_names=labelled (each by its most "
+                            f"common label) by reading data.dir on its host, and could not: {exc}") from None
         raise UserError(f"the ServerApp names the clients of data.partition=natural (one per value of "
                         f"{cfg.data.partition_by}) by reading data.dir on its host, and could not: {exc}; "
                         "or name them: data.clients=a,b,...") from None

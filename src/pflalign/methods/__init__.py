@@ -2,14 +2,13 @@
 
 Adding a method = one module with a `FedAvg` (or `Method`) subclass (its `name`, `label`
 and `family` on the class, its update rules as plain functions its hooks call), plus its
-line in `REGISTRY` here (docs/methods.md, "Adding a method").
+line in `REGISTRY` here and its name in `pflalign.settings.METHOD_NAMES` (checked before
+torch is imported; a test keeps the two equal) (docs/methods.md, "Adding a method").
 """
 
 from __future__ import annotations
 
-import difflib
-
-from ..errors import UserError
+from ..settings import check_method_name
 from .base import Method
 from .fedavg import FedAvg
 from .feddyn import FedDyn
@@ -47,10 +46,7 @@ PFLALIGN = tuple(c for c in REGISTRY if c.family == "pFLAlign")
 
 
 def method_class(name: str) -> type[Method]:
-    if name not in METHODS:
-        close = difflib.get_close_matches(name, METHODS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise UserError(f"unknown method {name!r}{hint}; run `pflalign methods` for the list")
+    check_method_name(name)  # settings.METHOD_NAMES: the same names, checked without importing torch
     return METHODS[name]
 
 
