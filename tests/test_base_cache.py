@@ -58,3 +58,23 @@ def test_damaged_entry_is_regenerated(tmp_path, counted):
     again = _run(tmp_path / "b", method="fedavg")
     assert sum("base" in d for d in counted) == 2
     assert again["clients"] == first["clients"]
+
+
+
+def test_source_digest_covers_the_code_generation_runs_through():
+    """The key's source digest must change when the model, its kernels, the generation or the
+    prompt format change, wherever those modules sit in the package (a module moved into a
+    subpackage must not drop out of it); the data, methods and Flower code stay out."""
+    import importlib
+    from pathlib import Path
+
+    import pflalign
+    from pflalign import base_cache, evaluate, model, prompts
+
+    covered = set(base_cache.digested_sources())
+    kernels = [importlib.import_module(f.__module__) for f in (model.use_segment_attention, model.use_fused_lora_mlp,
+                                                                model.use_fused_rms_norm, model.head_cross_entropy_sum)]
+    for module in (model, evaluate, prompts, base_cache, *kernels):
+        assert Path(module.__file__) in covered, module.__name__
+    root = Path(pflalign.__file__).parent
+    assert not [p for p in covered if p.relative_to(root).parts[0] in ("data", "methods", "flower")]

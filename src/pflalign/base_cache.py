@@ -27,11 +27,24 @@ import torch
 from . import checkpoint as ckpt
 
 
+# Subpackages generation does not run through: the data (the prompts' token ids are in the key),
+# the methods (the base model has no adapter update) and the Flower engine.
+NOT_DIGESTED = ("data", "methods", "flower")
+
+
+def digested_sources() -> list[Path]:
+    """The modules `_package_source_digest` covers: every module of this package but those of
+    `NOT_DIGESTED`, wherever it sits (the model, its kernels, evaluate, prompts, ...)."""
+    root = Path(__file__).parent
+    return sorted(p for p in root.rglob("*.py") if p.relative_to(root).parts[0] not in NOT_DIGESTED)
+
+
 @functools.cache  # read once per process: the source does not change under a running run
 def _package_source_digest() -> str:
     h = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    root = Path(__file__).parent
+    for path in digested_sources():  # the path from the package root: the bare name for a top-level module
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
 
