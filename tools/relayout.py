@@ -257,7 +257,7 @@ def wrap(head: str, names: list[str], width: int = 110) -> str:
     lines, current = [], head + "("
     for i, name in enumerate(names):
         piece = name + ("," if i < len(names) - 1 else ")")
-        if len(current) + len(piece) + 1 > width and current.strip() not in (head.strip() + " (",):
+        if len(current) + len(piece) > width and current.strip() and not current.endswith("("):  # not before a first name
             lines.append(current.rstrip())
             current = " " * len(head + "(")
         current += piece + " "
@@ -328,7 +328,7 @@ def deepen_file_paths(text: str, by: int, counts: dict[str, int]) -> str:
     return FILE_PARENTS.sub(sub, text) if by else text
 
 
-def layer_table_edits(src: Text, tree: ast.AST, mods: set[str], new_packages: list[str]) -> list[tuple[int, int, str]]:
+def layer_table_edits(src: Text, tree: ast.AST, new_packages: list[str]) -> list[tuple[int, int, str]]:
     """tests/test_layers.py: rename the moved modules' entries in LAYERS; enter the new packages."""
     edits = []
     for node in tree.body:
@@ -464,7 +464,7 @@ def main(argv=None) -> int:
         edits = import_edits(src, tree, mod, is_init, set(olds), notes)
         counts["imports"] = len(edits)
         if path == ROOT / "tests" / "test_layers.py":
-            table = layer_table_edits(src, tree, set(olds), new_packages)
+            table = layer_table_edits(src, tree, new_packages)
             counts["LAYERS"] = len(table)
             edits += table
         new = apply(text, edits, lambda s: rewrite(s, counts))
