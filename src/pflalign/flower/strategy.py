@@ -54,7 +54,7 @@ from ..config import RunConfig
 from ..errors import TrainingDiverged, UserError
 from ..lifecycle import eval_clients, sample_clients
 from ..params import Params
-from ..server import RoundRecord, Server
+from ..server import RoundPlan, RoundRecord, Server
 from . import privacy as priv, validate, wire
 
 log = logging.getLogger("flwr.pflalign")
@@ -153,6 +153,15 @@ class Nodes:
                     f"no SuperNode with partition-id={k} connected (waited up to connect-timeout={timeout:g} s "
                     "from the start of the run)")
                 for k in clients if k not in self.of}
+
+
+def client_round(metrics: dict) -> ClientRound:
+    """A checked training reply's metrics as the client's round, for the metrics lines (its update
+    goes to the server's sums, not here)."""
+    m = metrics
+    return ClientRound(message={}, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr_mean"),
+                       gsnr_ratio=m.get("gsnr_ratio"), update_norm=m["update_norm"], model_norm=m["model_norm"],
+                       method_metrics=wire.method_metrics(m))
 
 
 class MethodStrategy(Strategy):
@@ -294,21 +303,14 @@ class MethodStrategy(Strategy):
         for k in sorted(rejected):
             log.warning("round %d: rejected the update of %s from SuperNode %d: %s", server_round,
                         self.name(k), got[k].metadata.src_node_id, rejected[k])
-        results = []
-        for k, m in sorted(accepted.items()):
-            if k in rejected:
-                continue
-            results.append((k, ClientRound(
-                message={}, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr_mean"),
-                gsnr_ratio=m.get("gsnr_ratio"), update_norm=m["update_norm"], model_norm=m["model_norm"],
-                method_metrics=wire.method_metrics(m))))
-            self.n_train[k] = m["n_train"]
+        results = {k: client_round(m) for k, m in sorted(accepted.items()) if k not in rejected}
+        self.n_train.update({k: accepted[k]["n_train"] for k in results})
         if len(results) < max(1, min(self.min_clients, sampled)):  # rejected ones do not count
             raise RoundFailed(f"round {server_round}: " + ("no valid update to aggregate" if not results else
                               f"{len(results)} valid updates, fewer than min-clients={self.min_clients}")
                               + "; rejected: "
                               + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(rejected.items())))
-        ids = [k for k, _ in results]
+        ids = list(results)
         # the weights are known once every reply is checked; with DP the rule runs on the noised mean
         plan = self.server.start_round(r, ids, [self.n_train[k] for k in ids], presummed=self.privacy.dp)
 
@@ -324,10 +326,7 @@ class MethodStrategy(Strategy):
             plan.add(0, mean)
         else:
             fed(plan)
-        record = self.server.finish_round(plan, [res for _, res in results], extra)
-        for k in ids:
-            self.rounds_done[k] = self.rounds_done.get(k, 0) + 1
-        return TrainOutcome(record, missing, rejected, bytes_down, bytes_up)
+        return TrainOutcome(self._finish(plan, results, extra), missing, rejected, bytes_down, bytes_up)
 
     def train_secagg(self, server_round: int, grid: Grid, timeout: float) -> TrainOutcome:
         """Round `server_round` with Flower's SecAgg+ (`privacy.secagg_round`): the sampled
@@ -361,7 +360,7 @@ class MethodStrategy(Strategy):
             raise RoundFailed(f"round {server_round}: secure aggregation over {len(got)} of {len(chosen)} "
                               f"clients (min-clients={self.min_clients or 'all'}) did not finish; missing: "
                               + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(missing.items())))
-        results = []
+        results = {}
         too_large = validate.oversized({k: res.num_examples for k, res in got.items()}, self.max_size_ratio)
         for k in sorted(got):
             m = {key: json.loads(v) if key == "losses" else v for key, v in got[k].metrics.items()}
@@ -374,11 +373,8 @@ class MethodStrategy(Strategy):
                 raise RoundFailed(f"round {server_round}: {self.name(k)} sent malformed metrics under SecAgg+ "
                                   f"(its upload cannot be left out of the sum): {reason}")
             self.n_train[k] = n
-            results.append((k, ClientRound(
-                message={}, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr_mean"),
-                gsnr_ratio=m.get("gsnr_ratio"), update_norm=m["update_norm"], model_norm=m["model_norm"],
-                method_metrics=wire.method_metrics(m))))
-        ids = [k for k, _ in results]
+            results[k] = client_round(m)
+        ids = list(results)
         try:
             average = priv.unflatten(mean, self.expected)
         except UserError as exc:
@@ -391,15 +387,18 @@ class MethodStrategy(Strategy):
         plan = self.server.start_round(r, ids, [self.n_train[k] for k in ids], presummed=True)
         extra = {"secagg": True}
         if self.privacy.dp:
-            extra["dp_noise_std"] = priv.add_noise(self.privacy, average, plan.weights)
+            extra["dp_noise_std"] = self.noise_std[r] = priv.add_noise(self.privacy, average, plan.weights)
         plan.add(0, average)
-        record = self.server.finish_round(plan, [res for _, res in results], extra)
-        for k in ids:
-            self.rounds_done[k] = self.rounds_done.get(k, 0) + 1
-        if "dp_noise_std" in extra:
-            self.noise_std[r] = extra["dp_noise_std"]
+        record = self._finish(plan, results, extra)
         # down: w^r in each FitIns; up: not counted (masked vectors travel in ConfigRecords)
         return TrainOutcome(record, missing, {}, sum(len(b) for b in parameters.tensors) * len(clients), None)
+
+    def _finish(self, plan: RoundPlan, results: dict[int, ClientRound], extra: dict) -> RoundRecord:
+        """The server's w^{r+1} and the round's record; each aggregated client has a round more done."""
+        record = self.server.finish_round(plan, list(results.values()), extra)
+        for k in record.clients:
+            self.rounds_done[k] = self.rounds_done.get(k, 0) + 1
+        return record
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord, MetricRecord]:
         """Flower's hook: `collect_train`, as records."""
