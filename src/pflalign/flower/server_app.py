@@ -84,7 +84,7 @@ def run(grid: Grid, rc: dict) -> dict:
         server.load_state_dict(rec.checkpoint)
         strategy.load_state_dict(rec.checkpoint["flower"])
     rec.open(cfg)
-    rec.metrics = tensorboard.wrap(rec.metrics, cfg, rec.out, dict(enumerate(names)))  # log.tensorboard, as pflalign run
+    rec.metrics = tensorboard.wrap(rec.metrics, cfg, rec.out, dict(enumerate(names)))  # as pflalign run
     if not rec.resuming:
         rec.save(0, checkpoint(server, strategy))  # resumable even if the first round fails
     strategy.summary()
@@ -147,8 +147,9 @@ def round_eval(grid: Grid, server: Server, strategy: MethodStrategy, r: int, tim
     config = ConfigRecord({"limit": strategy.cfg.eval.every_max_test or 0, "base": False, "predictions": False})
     messages = strategy.configure_evaluate(r + 1, wire.to_record(server.global_params), config, grid)
     outcome = strategy.collect_evaluate(r + 1, grid.send_and_receive(messages, timeout=timeout))
-    return [{"client": k, "task": s["task"], "n_test": int(s["n_test"]), "rouge_l_personalized": s["rouge_l_personalized"],
-             "rouge_l_global": s["rouge_l_global"]} for k, s in outcome.scores.items()]
+    return [{"client": k, "task": s["task"], "n_test": int(s["n_test"]),
+             "rouge_l_personalized": s["rouge_l_personalized"], "rouge_l_global": s["rouge_l_global"]}
+            for k, s in outcome.scores.items()]
 
 
 def evaluate(grid: Grid, server: Server, strategy: MethodStrategy, timeout: float) -> dict:
@@ -165,16 +166,7 @@ def evaluate(grid: Grid, server: Server, strategy: MethodStrategy, timeout: floa
                        s["rouge_l_global"], s.get("rouge_l_base")) for k, s in scores.items()]
     results = results_summary(cfg, rows, sum(int(s["truncated"]) for s in scores.values()),
                               num_clients=strategy.num_clients)
-    results["flower"] = {
-        "experiment": strategy.experiment,
-        "rounds_done": {str(k): n for k, n in sorted(strategy.rounds_done.items())},  # rounds accepted per client
-        "missing_clients": [{"id": k, "task": strategy.nodes.names[k], "reason": why}
-                            for k, why in sorted(missing.items())],
-    }
-    # the noise each round's mean got (also in that round's metrics.jsonl line), and the (ε, δ) it gives
-    report = strategy.privacy.report([strategy.noise_std.get(r) for r in range(cfg.rounds)])
-    if report:
-        results["flower"]["privacy"] = report
+    results["flower"] = strategy.results_entry(missing)
     return results
 
 

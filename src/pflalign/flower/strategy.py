@@ -196,6 +196,21 @@ class MethodStrategy(Strategy):
         return {"experiment": self.experiment, "rounds_done": self.rounds_done, "noise_std": self.noise_std,
                 "n_train": self.n_train, "privacy": asdict(self.privacy)}
 
+    def results_entry(self, missing: dict[int, str]) -> dict:
+        """results.json's ``flower`` entry: the experiment, the rounds accepted per client, the
+        clients not scored (`missing`: client → why) and, under DP, the (ε, δ) that the noise
+        each round's mean got (also in that round's metrics line) gives."""
+        entry = {
+            "experiment": self.experiment,
+            "rounds_done": {str(k): n for k, n in sorted(self.rounds_done.items())},
+            "missing_clients": [{"id": k, "task": self.nodes.names[k], "reason": why}
+                                for k, why in sorted(missing.items())],
+        }
+        report = self.privacy.report([self.noise_std.get(r) for r in range(self.cfg.rounds)])
+        if report:
+            entry["privacy"] = report
+        return entry
+
     def load_state_dict(self, saved: dict) -> None:
         """Back to a checkpoint's `state_dict`; refused (`privacy.check_resume`) when the run's
         privacy options differ from the checkpoint's."""
