@@ -41,7 +41,6 @@ def status_kib(field: str) -> int:
 def one(participants: int, data_dir: Path, lora_r: int, method: str) -> dict:
     from pflalign.config import build_config
     from pflalign.engine import Federation
-    from pflalign.lifecycle import Recorder
 
     cfg = build_config(None, {
         "method": method, "model": "tiny-llama", "lora": {"r": lora_r, "alpha": 2 * lora_r}, "rounds": 1,
@@ -76,15 +75,12 @@ def one(participants: int, data_dir: Path, lora_r: int, method: str) -> dict:
 
         message_refs, sizes = [], []
         fed.method.client_end = tracked
-        rec = Recorder(Path(tmp) / "run", resume=False, overwrite=False)
-        rec.open(cfg)
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
         rss_start = status_kib("VmRSS")
         tic = time.perf_counter()
-        fed.train_round(0, rec)
+        fed.train_round(0)
         seconds = time.perf_counter() - tic
         rss_peak = status_kib("VmHWM")
-        rec.close()
     return {"participants": participants, "method": method, "lora_r": lora_r,
             "peak_messages_bytes": peak[0], "messages_alive_after_round": len(live),
             "one_message_bytes": max(sizes), "rss_start_kib": rss_start, "rss_peak_kib": rss_peak,

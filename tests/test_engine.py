@@ -209,16 +209,18 @@ def test_results_split_the_evaluation_time_by_model(tmp_path, monkeypatch):
 
 def _train_with_losses(cfg, rec, start, end, losses):
     """Rounds start..end-1 of one client whose local steps have these losses (a list per round),
-    recorded as an engine does: its train_step lines, then the round."""
+    recorded and watched as an engine's loop does: the round's lines, the watch, a checkpoint."""
     from pflalign.client import ClientRound
-    from pflalign.lifecycle import RoundRecord
+    from pflalign.lifecycle import LossWatch
+    from pflalign.server import RoundRecord
 
-    def train_round(r):
-        for t, loss in enumerate(losses[r]):
-            rec.train_step(r, 0, t, loss)
-        return RoundRecord([0], [ClientRound({}, {}, losses[r], None, None, 0.0, 0.0)], [1.0])
     rec.open(rec.config(cfg))
-    rec.train(cfg, start, end, train_round, lambda r: None, lambda: {}, lambda *a: None)
+    watch = LossWatch(rec)
+    for r in range(start, end):
+        record = RoundRecord({}, [0], [ClientRound({}, {}, losses[r], None, None, 0.0, 0.0)], [1.0])
+        rec.round(r, record, 0.0)
+        watch.round(r, record)
+        rec.save(r + 1, {})
     rec.close()
 
 

@@ -14,6 +14,7 @@ from pflalign.config import build_config
 from pflalign.flower import validate, wire
 from pflalign.flower.strategy import MethodStrategy, RoundFailed
 from pflalign.methods import METHODS, method_class
+from pflalign.server import Server
 
 from test_engine import TINY
 
@@ -106,7 +107,7 @@ def test_an_array_record_the_method_did_not_ask_for_is_refused(w0):
 def _strategy(tiny_llama, w0, min_clients=0):
     cfg = build_config(None, {**json.loads(json.dumps(TINY)), "method": "fedavg", "lr": LR, "local_steps": STEPS,
                               "data": {**TINY["data"], "clients": ["arithmetic", "sorting", "uppercase"]}})
-    strategy = MethodStrategy(method_class("fedavg")(), cfg, w0, experiment="t", min_clients=min_clients)
+    strategy = MethodStrategy(Server(method_class("fedavg")(), w0, 3), cfg, experiment="t", min_clients=min_clients)
     # as if round messages went to clients 0, 1, 2 (the replies come from a patched _match)
     strategy._pending = [(SimpleNamespace(content=RecordDict()), k) for k in range(3)]
     strategy._unreached = {}
@@ -130,7 +131,9 @@ def test_a_poisoned_client_is_rejected_by_default_and_the_round_goes_on(tiny_lla
     outcome = strategy.collect_train(1, [])
     assert list(outcome.rejected) == [1] and "max-update-ratio" in outcome.rejected[1]
     assert outcome.record.clients == [0, 2]
-    assert all(torch.isfinite(t).all() and (t - w0[n]).abs().max() < 1 for n, t in strategy.global_params.items())
+    assert all(torch.isfinite(t).all() and (t - w0[n]).abs().max() < 1
+               for n, t in outcome.record.global_params.items())
+    assert outcome.record.global_params is strategy.server.global_params  # w^1, the server's now
 
     # next round: client 0 claims a larger n_train than it declared, client 2 sends an extra ArrayRecord
     moved = {"params": {n: t + 1e-3 for n, t in good["params"].items()}}  # w^1 is `good` itself
@@ -145,12 +148,12 @@ def test_rejected_clients_do_not_count_toward_min_clients(tiny_llama, w0, monkey
     _, honest = honest_round(tiny_llama, w0, "fedavg")
     poisoned = {"params": {n: torch.zeros_like(t) for n, t in honest.message["params"].items()}}
     strategy = _strategy(tiny_llama, w0, min_clients=3)
-    before = {n: t.clone() for n, t in strategy.global_params.items()}
+    before = {n: t.clone() for n, t in strategy.server.global_params.items()}
     monkeypatch.setattr(strategy, "_match", lambda _: ({0: _reply(honest.message), 1: _reply(poisoned),
                                                         2: _reply(honest.message)}, {}))
     with pytest.raises(RoundFailed, match="2 valid updates, fewer than min-clients=3.*all zeros"):
         strategy.aggregate_train(1, [])
-    assert all(torch.equal(before[n], t) for n, t in strategy.global_params.items())  # nothing aggregated
+    assert all(torch.equal(before[n], t) for n, t in strategy.server.global_params.items())  # nothing aggregated
 
 
 # ---- issue 41, item 1: a client that lies about its size ------------------------------------------
@@ -181,7 +184,7 @@ def test_a_client_declaring_a_huge_first_n_train_is_rejected_and_gets_no_weight(
     assert outcome.record.clients == [0, 2] and outcome.record.weights == [0.5, 0.5]
     assert any("rejected the update of client 1" in r.message and "max-size-ratio" in r.message
                for r in caplog.records)
-    assert all(torch.equal(t, good["params"][n]) for n, t in strategy.global_params.items())  # client 1 has no weight
+    assert all(torch.equal(t, good["params"][n]) for n, t in outcome.record.global_params.items())  # 1: no weight
     assert 1 not in strategy.n_train  # its claim is not remembered as its size
 
 

@@ -33,6 +33,7 @@ from pflalign.flower import client_app, strategy as strategy_module, wire  # noq
 from pflalign.flower.strategy import MethodStrategy  # noqa: E402
 from pflalign.lifecycle import sample_clients  # noqa: E402
 from pflalign.methods import method_class  # noqa: E402
+from pflalign.server import Server  # noqa: E402
 
 from test_engine import TINY  # noqa: E402
 
@@ -174,7 +175,8 @@ def many(n: int, participation: float, **data) -> object:
 
 
 def make_strategy(tiny_llama, cfg, **kw) -> MethodStrategy:
-    return MethodStrategy(method_class(cfg.method)(), cfg, tiny_llama.get_lora(), experiment="t", **kw)
+    server = Server(method_class(cfg.method)(), tiny_llama.get_lora(), len(wire.client_names(cfg)))
+    return MethodStrategy(server, cfg, experiment="t", **kw)
 
 
 def test_the_server_asks_100_new_supernodes_at_once_and_waits_only_for_the_sampled(tiny_llama, no_sleep):
@@ -191,10 +193,10 @@ def test_the_server_asks_100_new_supernodes_at_once_and_waits_only_for_the_sampl
     assert grid.looks == 4  # it waited for the late sampled node, and stopped once it was there
     assert grid.pushes == 2 and len(grid.queried) == 95  # all but that one in one batch, then that one
     assert sorted(strategy.nodes.of) == sorted(set(range(100)) - set(late))
-    messages = strategy.configure_train(1, wire.to_record(strategy.global_params), ConfigRecord(), grid)
+    messages = strategy.configure_train(1, wire.to_record(strategy.server.global_params), ConfigRecord(), grid)
     assert sorted(strategy.nodes.of[k] for k in first) == sorted(m.metadata.dst_node_id for m in messages)
     # the final evaluation: the seeded sample of eval.clients, as in process
-    messages = strategy.configure_evaluate(3, wire.to_record(strategy.global_params), ConfigRecord(), grid)
+    messages = strategy.configure_evaluate(3, wire.to_record(strategy.server.global_params), ConfigRecord(), grid)
     assert [m.metadata.dst_node_id for m in messages] == [1000 + k for k in scored]
 
 
@@ -204,7 +206,7 @@ def test_a_sampled_client_without_a_supernode_is_missing_after_connect_timeout(t
     absent = chosen[0]
     grid = FakeGrid({1000 + k: (k, 10) for k in range(10) if k != absent})
     strategy = make_strategy(tiny_llama, cfg, connect_timeout=0)
-    strategy.configure_train(1, wire.to_record(strategy.global_params), ConfigRecord(), grid)
+    strategy.configure_train(1, wire.to_record(strategy.server.global_params), ConfigRecord(), grid)
     assert list(strategy._unreached) == [absent]
     assert "no SuperNode with partition-id" in strategy._unreached[absent]
     gone = chosen[1]  # a client that was connected and is gone: missing at once
@@ -230,7 +232,7 @@ def test_what_a_message_carries_does_not_grow_with_the_clients(tiny_llama, no_sl
         cfg = many(n, 0.1)
         strategy = make_strategy(tiny_llama, cfg)
         grid = FakeGrid({1000 + k: (k, n) for k in range(n)})
-        messages = list(strategy.configure_train(1, wire.to_record(strategy.global_params), ConfigRecord(), grid))
+        messages = list(strategy.configure_train(1, wire.to_record(strategy.server.global_params), ConfigRecord(), grid))
         assert len(messages) == max(1, round(0.1 * n))
         sizes[n] = {m.content["config"].count_bytes() for m in messages}
     (four,), (hundred,) = sizes[4], sizes[100]

@@ -478,15 +478,25 @@ def test_a_resumed_run_keeps_its_privacy_options(tmp_path):
     """The ServerApp's checkpoint holds the privacy options, they survive the checkpoint file, and a
     resume with others is refused in one line naming what changed (an older checkpoint without them
     resumes as before)."""
-    from types import SimpleNamespace
-
     from pflalign.flower.server_app import checkpoint
+    from pflalign.flower.strategy import MethodStrategy
+    from pflalign.server import Server
 
     started = privacy.from_run_config({"dp-clipping-norm": 1.0, "dp-noise-multiplier": 0.5})
-    strategy = SimpleNamespace(global_params={"w": torch.ones(2)}, server_state={}, experiment="e",
-                               rounds_done={0: 1}, noise_std={0: 0.125}, n_train={0: 10}, privacy=started)
-    ckpt.save_checkpoint(tmp_path / "c.pt", checkpoint(strategy))
-    saved = ckpt.load_checkpoint(tmp_path / "c.pt")["flower"]["privacy"]
+    cfg = build_config(None, tiny("fedavg"))
+    server = Server(make_method(cfg), {"w": torch.ones(2)}, 4)
+    strategy = MethodStrategy(server, cfg, "e", privacy=started, names=["a", "b", "c", "d"])
+    strategy.rounds_done, strategy.noise_std, strategy.n_train = {0: 1}, {0: 0.125}, {0: 10}
+    ckpt.save_checkpoint(tmp_path / "c.pt", checkpoint(server, strategy))
+    loaded = ckpt.load_checkpoint(tmp_path / "c.pt")
+    resumed = MethodStrategy(Server(make_method(cfg), {"w": torch.zeros(2)}, 4), cfg, "new", privacy=started,
+                             names=["a", "b", "c", "d"])
+    resumed.load_state_dict(loaded["flower"])
+    assert (resumed.experiment, resumed.rounds_done, resumed.noise_std, resumed.n_train) == \
+        ("e", {0: 1}, {0: 0.125}, {0: 10})
+    with pytest.raises(UserError, match="noise_multiplier 0.5 -> 0.0"):  # the ServerApp's resume refuses it
+        MethodStrategy(server, cfg, "e", names=["a", "b", "c", "d"]).load_state_dict(loaded["flower"])
+    saved = loaded["flower"]["privacy"]
 
     privacy.check_resume(saved, privacy.from_run_config({"dp-clipping-norm": 1.0, "dp-noise-multiplier": 0.5}))
     privacy.check_resume(None, privacy.from_run_config({}))

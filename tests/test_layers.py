@@ -33,6 +33,7 @@ LAYERS: list[dict[str, list[str]]] = [
     },
     {
         "client": ["client", "workers", "export"],  # the client side, both engines
+        "server": ["server"],  # the server side, both engines: the method's server rule, w^r, server state
         "lifecycle": ["lifecycle"],  # the run folder and its bookkeeping: needs no client code
     },
     {

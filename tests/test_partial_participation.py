@@ -143,9 +143,9 @@ def test_engine_keeps_the_state_of_clients_that_did_not_train(tmp_path, monkeypa
     globals_before = []
     original = fed.train_round
 
-    def spy(r, rec):
+    def spy(r):
         globals_before.append({n: t.clone() for n, t in fed.global_params.items()})
-        return original(r, rec)
+        return original(r)
 
     monkeypatch.setattr(fed, "train_round", spy)
     rec = Recorder(tmp_path, resume=False, overwrite=False)

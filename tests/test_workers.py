@@ -17,6 +17,7 @@ from pflalign.config import build_config
 from pflalign.engine import Federation, run
 from pflalign.errors import TrainingDiverged, UserError
 from pflalign.lifecycle import Recorder
+from pflalign.server import RoundPlan
 from pflalign.workers import Processes, WorkerFailed, check_workers
 
 from test_engine import TINY
@@ -94,18 +95,18 @@ def test_an_interrupt_while_a_worker_is_busy_then_resume(tmp_path, monkeypatch):
     last checkpoint, no worker is left, and a resume gives the uninterrupted results."""
     cfg = config("scaffold")
     one_thread_run(cfg, tmp_path / "one")
-    original = Recorder.client_round
+    original = RoundPlan.add
 
-    def interrupt(self, r, k, result, **kwargs):
-        if r == 1:
+    def interrupt(self, i, message):  # the first reply of round 2 joins the server's sums
+        if self.ctx.round == 1:
             raise KeyboardInterrupt
-        original(self, r, k, result, **kwargs)
+        original(self, i, message)
 
-    monkeypatch.setattr(Recorder, "client_round", interrupt)
+    monkeypatch.setattr(RoundPlan, "add", interrupt)
     with pytest.raises(KeyboardInterrupt, match="resume with"):
         run(cfg, tmp_path / "split", progress=False, workers=2)
     assert worker_processes() == []
-    monkeypatch.setattr(Recorder, "client_round", original)
+    monkeypatch.setattr(RoundPlan, "add", original)
     run(None, tmp_path / "split", resume=True, progress=False, workers=2)
     assert run_hashes(tmp_path / "split") == run_hashes(tmp_path / "one")
 

@@ -98,6 +98,8 @@ class ClientRound:
     update_norm: float  # ‖w_{k,T} − w^r‖
     model_norm: float  # ‖w_{k,T}‖
     method_metrics: dict[str, float] = field(default_factory=dict)  # Method.round_metrics
+    # the client's round from its state file in to its next file out (in-process engine; None in Flower's)
+    seconds: float | None = None
 
 
 def _non_finite(params: Params) -> str | None:

@@ -1,13 +1,16 @@
 """The in-process federated engine: synchronous rounds over clients on one machine.
 
-Read top to bottom: set up (data, model, method, state), then for each round
-every sampled client starts from what its method says, takes T local steps,
-and sends a message; the server aggregates. At the end every client is
-scored with its personalized model, the global model and the untrained base
-model. The engine knows nothing method-specific (that lives behind
+Read top to bottom: set up (data, model, method, server), then the rounds
+(`Federation.train`, the loop): every sampled client starts from what its
+method says, takes T local steps and sends a message, which joins the
+server's sums; the server aggregates. At the end every client is scored with
+its personalized model, the global model and the untrained base model. The
+engine knows nothing method-specific (that lives behind
 `pflalign.methods.base.Method`), nothing of a client's round (`pflalign.client`,
-which the Flower ClientApp calls too) and nothing of the run folder
-(`pflalign.lifecycle`, which the Flower ServerApp uses too).
+which the Flower ClientApp calls too), nothing of the server's rule
+(`pflalign.server.Server`, which the Flower strategy uses too) and nothing of
+the run folder (`pflalign.lifecycle.Recorder`, which the Flower ServerApp
+uses too).
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from .settings import flat, merge
 from .data_cache import client_data
 from .errors import OutOfMemory, RunInterrupted, TrainingDiverged, UserError
 from .evaluate import add_exact_match
-from .lifecycle import Recorder, RoundRecord, client_row, eval_clients, results_summary, sample_clients
-from .methods.base import Method, Params, RoundContext, clone, data_weights
+from .lifecycle import LossWatch, Recorder, client_row, eval_clients, results_summary, sample_clients
+from .methods.base import Method, Params, clone
 from .model import build_model, resolve_device
 from .partition import client_shares_described
+from .server import RoundRecord, Server
 from .workers import (ClientSide, Inline, Processes, ScoreJob, TrainJob, bound_workers, check_workers,
                       personalized_adapter)
 
@@ -64,9 +68,9 @@ class Federation:
         self.lm = build_model(cfg, in_memory=self.workers == 1)
         self.lm.check_max_seq_len(cfg.max_seq_len)
         self.method: Method = make_method(cfg)
-        self.global_params = self.lm.get_lora()
+        self.server = Server(self.method, self.lm.get_lora(), len(shares))  # w^0: the seeded LoRA initialisation
         self.initial_params = clone(self.global_params)  # w^0: a client's state starts from it (FedSA-LoRA's B^0)
-        self.server_state = self.method.init_server_state(self.global_params)
+        self.in_round: int | None = None  # the round being trained (an interrupt's message)
         # today's federations: token ids from the host's cache (data_cache.py) on first use, tokenized on a miss
         cached = self.data_info is None
         self.clients = [make_client(k, share, self.lm.tokenizer, cfg, None,
@@ -76,6 +80,11 @@ class Federation:
         self.store = ClientStore(out, [c.name for c in self.clients])  # its folder: the run's (`train` sets it)
         # what runs a client's jobs in this process (workers = 1, and the export's personalized adapters)
         self.side = ClientSide(self.lm, self.method, cfg, self.store, self.initial_params)
+
+    @property
+    def global_params(self) -> Params:
+        """w^r, the server's: what the clients start from and the global model scored."""
+        return self.server.global_params
 
     @property
     def runner(self) -> Inline | Processes:
@@ -111,28 +120,37 @@ class Federation:
                       client.id, client.name, cut, client.n_train, self.cfg.max_seq_len)
 
     # ---- the rounds -------------------------------------------------------------
-    def train(self, rec: Recorder, start: int, end: int, after=lambda r, mean_loss, seconds: None) -> int:
-        """Rounds start..end-1 into `rec`'s run folder (metrics, checkpoints); returns `end`."""
+    def train(self, rec: Recorder, start: int, end: int, after=lambda r, record, seconds: None) -> int:
+        """Rounds start..end-1, each written into `rec`'s run folder, then `after(r, record,
+        seconds)` (progress, logs). Returns `end`."""
         self.store.attach(rec.out)
+        watch = LossWatch(rec)
+        for r in range(start, end):
+            self.in_round = r
+            tic = time.perf_counter()
+            record = self.train_round(r)  # the sampled clients train, the server aggregates
+            seconds = time.perf_counter() - tic
+            rec.round(r, record, seconds)  # the clients' lines, then the round's
+            watch.round(r, record)  # warns once if the loss runs away
+            if self.cfg.eval.every and (r + 1) % self.cfg.eval.every == 0:
+                rec.round_eval(r, self.round_eval(r))
+            rec.save(r + 1, self.checkpoint())
+            self.store.prune()  # after the checkpoint: the client files it no longer names
+            after(r, record, seconds)
+        self.in_round = None
+        return end
 
-        def save(rounds_done, payload):
-            rec.save(rounds_done, payload)
-            self.store.prune()  # after the checkpoint: the files it no longer needs
-
-        return rec.train(self.cfg, start, end, lambda r: self.train_round(r, rec),
-                         lambda r: self.round_eval(r, rec), self.checkpoint, after, save=save)
-
-    def train_round(self, r: int, rec: Recorder) -> RoundRecord:
+    def train_round(self, r: int) -> RoundRecord:
+        """Round r: the sampled clients train from w^r (side by side with workers > 1) and each
+        message joins the server's sums as it comes back; returns the round's record (w^{r+1})."""
         cfg = self.cfg
         chosen = sample_clients(len(self.clients), cfg.participation, cfg.seed, r)
         bar = tqdm(total=len(chosen) * cfg.local_steps, desc=f"round {r + 1} local steps", leave=False,
                    disable=not self.progress, unit="step")
-        received = self.method.broadcast(self.global_params, self.server_state)
+        received = self.server.broadcast()
         # p_k is known before anyone trains: each message joins the running sums in client order
         # and is dropped, so the round holds at most one per worker (memory flat in |S|)
-        weights = data_weights([self.clients[k].n_train for k in chosen])
-        aggregation = self.method.start_aggregation(self.global_params, weights, self.server_state,
-                                                    RoundContext(r, len(self.clients), chosen))
+        plan = self.server.start_round(r, chosen, [self.clients[k].n_train for k in chosen])
         jobs = [self._train_job(r, k) for k in chosen]
         steps_after = [self.clients[k].steps_taken for k in chosen]
         costs = [float(sum(int(b["attention_mask"].sum()) for step in job.batches  # tokens
@@ -143,17 +161,14 @@ class Federation:
         for i, (k, done) in enumerate(zip(chosen, done_jobs)):
             done.record.steps_taken = steps_after[i]
             self.store.records[k] = done.record
-            for t, loss in enumerate(done.result.losses):
-                rec.train_step(r, k, t, loss)
             if self.runner.workers > 1:
                 bar.update(len(done.result.losses))
-            aggregation.add(i, done.result.message)
+            plan.add(i, done.result.message)
             done.result.message = {}  # in the sums now; the round keeps the metrics only
-            rec.client_round(r, k, done.result, seconds=done.seconds)
+            done.result.seconds = done.seconds
             results.append(done.result)
         bar.close()
-        self.global_params = aggregation.finish()
-        return RoundRecord(chosen, results, weights)
+        return self.server.finish_round(plan, results)
 
     def _train_job(self, r: int, k: int) -> TrainJob:
         """Client k's round as a job: its next T minibatches (drawn here, a pure function of seed,
@@ -168,16 +183,10 @@ class Federation:
     def checkpoint(self) -> dict:
         """Server state, global adapter, RNG, and the clients' records (their tensors are in
         clients/, written as they trained; the records name those files)."""
-        return {
-            "global": self.global_params,
-            "server_state": self.server_state,
-            "client_records": self.store.table(),
-            "torch_rng": torch.get_rng_state(),
-        }
+        return {**self.server.state_dict(), "client_records": self.store.table(), "torch_rng": torch.get_rng_state()}
 
     def restore(self, payload: dict) -> int:
-        self.global_params = payload["global"]
-        self.server_state = payload["server_state"]
+        self.server.load_state_dict(payload)
         if "clients" in payload:  # before issue 21 the checkpoint held every client's tensors
             self._restore_whole_federation(payload)
         else:
@@ -234,16 +243,16 @@ class Federation:
         it), from its file; the global one before its first round."""
         return personalized_adapter(self.side, k, self.store.records[k], self.global_params)
 
-    def round_eval(self, round_index: int, rec: Recorder) -> None:
+    def round_eval(self, round_index: int) -> list[dict]:
         """Score the clients on their first `eval.every_max_test` test examples
-        after a round (for ROUGE-L curves). Runs under a forked RNG so that
-        switching it on never changes the training."""
+        after a round (for ROUGE-L curves): a row per client (`Recorder.round_eval`).
+        Runs under a forked RNG so that switching it on never changes the training."""
         limit = self.cfg.eval.every_max_test
         with torch.random.fork_rng(devices=[]):
             scored = self._score(["personalized", "global"], f"round {round_index + 1} ", limit)
-        for k, p, g in zip(self.eval_ids, scored["personalized"][0], scored["global"][0]):
-            c = self.clients[k]
-            rec.round_eval(round_index, c.id, c.name, len(c.data.test[:limit]), p, g)
+        return [{"client": self.clients[k].id, "task": self.clients[k].name,
+                 "n_test": len(self.clients[k].data.test[:limit]), "rouge_l_personalized": p, "rouge_l_global": g}
+                for k, p, g in zip(self.eval_ids, scored["personalized"][0], scored["global"][0])]
 
     def evaluate(self) -> tuple[dict, list[dict]]:
         cfg = self.cfg
@@ -308,11 +317,11 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
     rounds_bar = tqdm(range(start, end), initial=start, total=cfg.rounds, desc="rounds",
                       disable=not progress, unit="round")
 
-    def after(r, mean_loss, seconds):
+    def after(r, record, seconds):
         rounds_bar.update(1)
-        rounds_bar.set_postfix(loss=f"{mean_loss:.3f}")
+        rounds_bar.set_postfix(loss=f"{record.mean_loss:.3f}")
         if not progress:
-            log.info("round %d/%d: mean loss %.4f (%.1f s)", r + 1, cfg.rounds, mean_loss, seconds)
+            log.info("round %d/%d: mean loss %.4f (%.1f s)", r + 1, cfg.rounds, record.mean_loss, seconds)
 
     tic = time.perf_counter()
     try:
@@ -339,7 +348,7 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
                           memory_allocator=allocator.active(), workers=fed.workers,
                           threads_per_worker=fed.runner.threads())
     except KeyboardInterrupt:
-        raise _interrupted(rec, cfg) from None
+        raise _interrupted(rec, cfg, fed.in_round) from None
     except TrainingDiverged as exc:
         rec.rollback()  # the diverged round leaves no lines
         kept = f"; the checkpoint after round {rec.saved[0]} is kept" if rec.saved[0] else ""
@@ -418,12 +427,13 @@ def rescore(source: Path | str, out: Path | str, overrides: dict, overwrite: boo
             rec.close()
 
 
-def _interrupted(rec: Recorder, cfg: RunConfig) -> RunInterrupted:
-    """Ctrl-C: drop the unfinished round's metrics lines, so the directory is exactly as
-    after the last checkpoint, and say how to continue."""
+def _interrupted(rec: Recorder, cfg: RunConfig, in_round: int | None) -> RunInterrupted:
+    """Ctrl-C (`in_round`: the round being trained, None after the rounds): drop the unfinished
+    round's metrics lines, so the directory is exactly as after the last checkpoint, and say how
+    to continue."""
     rounds = rec.saved[0]
     rec.rollback()
-    where = (f"during round {rec.in_round + 1} of {cfg.rounds}" if rec.in_round is not None
+    where = (f"during round {in_round + 1} of {cfg.rounds}" if in_round is not None
              else "during the final evaluation")
     if rounds == 0:
         return RunInterrupted(f"interrupted {where}, before any round finished; nothing to resume: "

@@ -1,25 +1,23 @@
-"""One run's lifecycle, shared by both engines: the in-process one (`pflalign.engine`)
+"""One run's folder, shared by both engines: the in-process one (`pflalign.engine`)
 and the Flower ServerApp (`pflalign.flower.server_app`).
 
 A run folder holds ``config.json`` (the resolved config), ``metrics.jsonl``
 (one JSON line per event), ``checkpoint.pt`` (after every round),
 ``predictions.jsonl`` (in-process runs) and, last, ``results.json``: its
 presence means "finished". `prepare_run_dir` checks what a folder holds
-before a run starts; a `Recorder` owns everything written there: the config,
-the metrics lines, the checkpoints and ``results.json``, and the round loop's
-bookkeeping (`Recorder.train`: timing, the per-round line, the per-round
-evaluation's schedule, a checkpoint per round). An engine supplies only what
-differs: how a round is trained, how clients are scored, and what its
-checkpoint holds.
+before a run starts; a `Recorder` writes everything there: the config, the
+metrics lines, the checkpoints and ``results.json``. It drives nothing: each
+engine owns its round loop and hands the Recorder what to write
+(`pflalign.server.RoundRecord` for a round's lines). `LossWatch` warns when a
+run diverges.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,8 +26,8 @@ from .config import RunConfig, load_saved_config, to_dict
 from .errors import UserError
 from .run_stats import DIVERGED_LOSS_RATIO, distribution, start_loss  # noqa: F401  (their former home)
 
-if TYPE_CHECKING:  # a type only: the run's bookkeeping needs no client code (tests/test_layers.py)
-    from .client import ClientRound
+if TYPE_CHECKING:  # types only: the run's folder needs no client or server code (tests/test_layers.py)
+    from .server import RoundRecord
 
 log = logging.getLogger(__name__)
 
@@ -109,18 +107,9 @@ def client_row(k: int, name: str, n_train: int, n_test: int, personalized: float
             "rouge_l_global": global_, "rouge_l_base": base}
 
 
-@dataclass
-class RoundRecord:
-    """What one round produced, as an engine hands it to the recorder."""
-
-    clients: list[int]  # the clients whose updates were aggregated, in message order
-    results: list[ClientRound]  # theirs, same order
-    weights: list[float]  # their aggregation weights
-    extra: dict = field(default_factory=dict)  # more fields of the round's line (Flower: bytes, missing clients)
-
-
 class Recorder:
-    """Everything a run writes into its folder `out`, and the round loop around an engine.
+    """Everything a run writes into its folder `out`: the config, the metrics lines, the
+    checkpoints, the results.
 
     Built before the engine's objects (it tells whether the run resumes, and from
     which checkpoint and config); `open` then writes the config (fresh run) or
@@ -133,9 +122,6 @@ class Recorder:
         self.checkpoint = ckpt.load_run_checkpoint(self.out) if self.resuming else None  # the one resumed from
         self.metrics: ckpt.MetricsLog | None = None
         self.saved = (0, 0)  # (rounds done, metrics offset) of the newest checkpoint on disk
-        self.in_round: int | None = None  # the round being trained, for an interrupt's message
-        self.start_loss: float | None = None  # `start_loss`, read back on resume
-        self.warned_diverging = False
 
     def config(self, cfg: RunConfig) -> RunConfig:
         """The run's config: `cfg` for a fresh run, the saved one when resuming."""
@@ -149,7 +135,6 @@ class Recorder:
         if self.resuming:
             self.saved = (self.checkpoint["rounds_done"], self.checkpoint["metrics_offset"])
             self.metrics = ckpt.MetricsLog(self.out / ckpt.METRICS, resume_offset=self.saved[1])
-            self.start_loss = start_loss(ckpt.metrics_rows(self.out / ckpt.METRICS))  # lazily: a large file
             log.info("resuming %s after round %d of %d", self.out, self.saved[0], cfg.rounds)
         else:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -162,32 +147,31 @@ class Recorder:
             self.metrics.close()
 
     # ---- metrics lines ------------------------------------------------------------
-    def train_step(self, r: int, k: int, t: int, loss: float) -> None:
-        self.metrics.write(event="train_step", round=r, client=k, step=t, loss=loss)
-
-    def client_round(self, r: int, k: int, res: ClientRound, seconds: float | None = None) -> None:
-        """`seconds`: the client's round from its state file in to its next file out (in-process engine)."""
-        extra = {} if seconds is None else {"seconds": seconds}
-        self.metrics.write(event="client_round", round=r, client=k, gsnr_mean=res.gsnr_mean,
-                           gsnr_ratio=res.gsnr_ratio, update_norm=res.update_norm, model_norm=res.model_norm,
-                           **res.method_metrics, **extra)
-
-    def round_line(self, r: int, seconds: float, rec: RoundRecord) -> float:
-        """The round's line; returns its mean training loss."""
-        mean_loss = float(np.mean([loss for res in rec.results for loss in res.losses]))
+    def round(self, r: int, record: RoundRecord, seconds: float) -> None:
+        """Round r's lines: per participant (client order) its ``train_step`` lines and its
+        ``client_round`` line, then the round's line (`seconds`: the round's wall time)."""
+        for k, res in zip(record.clients, record.results):
+            for t, loss in enumerate(res.losses):
+                self.metrics.write(event="train_step", round=r, client=k, step=t, loss=loss)
+            # seconds: the client's round from its state file in to its next file out (in-process engine)
+            extra = {} if res.seconds is None else {"seconds": res.seconds}
+            self.metrics.write(event="client_round", round=r, client=k, gsnr_mean=res.gsnr_mean,
+                               gsnr_ratio=res.gsnr_ratio, update_norm=res.update_norm, model_norm=res.model_norm,
+                               **res.method_metrics, **extra)
         self.metrics.write(
-            event="round", round=r, seconds=seconds, clients=rec.clients, mean_loss=mean_loss,
+            event="round", round=r, seconds=seconds, clients=record.clients, mean_loss=record.mean_loss,
             # aggregation consistency: data-weighted size of the client updates, and of the
             # client models as printed in the paper's formula (see docs/usage.md)
-            consistency_update_norm=sum(w * res.update_norm for w, res in zip(rec.weights, rec.results)),
-            consistency_model_norm=sum(w * res.model_norm for w, res in zip(rec.weights, rec.results)),
-            **rec.extra,
+            consistency_update_norm=sum(w * res.update_norm for w, res in zip(record.weights, record.results)),
+            consistency_model_norm=sum(w * res.model_norm for w, res in zip(record.weights, record.results)),
+            **record.extra,
         )
-        return mean_loss
 
-    def round_eval(self, r: int, k: int, name: str, n_test: int, personalized: float, global_: float) -> None:
-        self.metrics.write(event="round_eval", round=r, client=k, task=name, n_test=n_test,
-                           rouge_l_personalized=personalized, rouge_l_global=global_)
+    def round_eval(self, r: int, rows: list[dict]) -> None:
+        """The per-round scores (``eval.every``): one ``round_eval`` line per scored client, each
+        with its ``client``, ``task``, ``n_test``, ``rouge_l_personalized``, ``rouge_l_global``."""
+        for row in rows:
+            self.metrics.write(event="round_eval", round=r, **row)
 
     # ---- checkpoints --------------------------------------------------------------
     def save(self, rounds_done: int, payload: dict) -> None:
@@ -201,44 +185,6 @@ class Recorder:
     def rollback(self) -> None:
         """Drop the metrics lines after the newest checkpoint (of a round that will not finish)."""
         self.metrics.rollback(self.saved[1])
-
-    # ---- the rounds -----------------------------------------------------------------
-    def train(self, cfg: RunConfig, start: int, end: int, train_round: Callable[[int], RoundRecord],
-              round_eval: Callable[[int], None], payload: Callable[[], dict],
-              after: Callable[[int, float, float], None],
-              save: Callable[[int, dict], None] | None = None) -> int:
-        """Rounds start..end-1: train one (`train_round`), its line, the per-round scores when
-        `eval.every` says so, a checkpoint (`save`, default `Recorder.save`; the in-process engine
-        adds its client files' cleanup); `after(r, mean_loss, seconds)` (progress, logs).
-        Returns the rounds done."""
-        save = self.save if save is None else save
-        for r in range(start, end):
-            self.in_round = r
-            tic = time.perf_counter()
-            rec = train_round(r)
-            seconds = time.perf_counter() - tic
-            mean_loss = self.round_line(r, seconds, rec)
-            self._watch_loss(r, mean_loss, rec)
-            if cfg.eval.every and (r + 1) % cfg.eval.every == 0:
-                round_eval(r)
-            save(r + 1, payload())
-            after(r, mean_loss, seconds)
-        self.in_round = None
-        return end
-
-    def _watch_loss(self, r: int, mean_loss: float, rec: RoundRecord) -> None:
-        """Warn, once a session, when a round's mean training loss passes DIVERGED_LOSS_RATIO × the
-        loss the run started from (`start_loss`): a 50-round run can break late (FedDyn in round 44)
-        or in its first round (FedSAM), and its log is where one looks."""
-        if r == 0:
-            firsts = [res.losses[0] for res in rec.results if res.losses]
-            self.start_loss = sum(firsts) / len(firsts) if firsts else mean_loss
-        if (self.start_loss is not None and not self.warned_diverging
-                and mean_loss > DIVERGED_LOSS_RATIO * self.start_loss):
-            self.warned_diverging = True
-            log.warning("round %d: mean training loss %.3g is %.1f × the loss the run started from (%.3g): "
-                        "the run is diverging (a smaller lr or server step may hold it; pflalign report marks "
-                        "a run that ends so)", r + 1, mean_loss, mean_loss / self.start_loss, self.start_loss)
 
     # ---- the end ----------------------------------------------------------------------
     def finish(self, results: dict, train_seconds: float, eval_seconds: float,
@@ -255,3 +201,26 @@ class Recorder:
             ckpt.write_jsonl(self.out / ckpt.PREDICTIONS, predictions)
         ckpt.write_json(self.out / ckpt.RESULTS, results)  # last: its presence means "finished"
         return results
+
+
+class LossWatch:
+    """Warns, once a session, when a round's mean training loss passes DIVERGED_LOSS_RATIO × the
+    loss the run started from (`start_loss`): a 50-round run can break late (FedDyn in round 44)
+    or in its first round (FedSAM), and its log is where one looks. Each engine's loop calls it
+    after every round."""
+
+    def __init__(self, rec: Recorder):
+        # resumed: the start read back from round 1's lines (lazily: a large file)
+        self.start_loss = start_loss(ckpt.metrics_rows(rec.out / ckpt.METRICS)) if rec.resuming else None
+        self.warned = False
+
+    def round(self, r: int, record: RoundRecord) -> None:
+        mean_loss = record.mean_loss
+        if r == 0:
+            firsts = [res.losses[0] for res in record.results if res.losses]
+            self.start_loss = sum(firsts) / len(firsts) if firsts else mean_loss
+        if self.start_loss is not None and not self.warned and mean_loss > DIVERGED_LOSS_RATIO * self.start_loss:
+            self.warned = True
+            log.warning("round %d: mean training loss %.3g is %.1f × the loss the run started from (%.3g): "
+                        "the run is diverging (a smaller lr or server step may hold it; pflalign report marks "
+                        "a run that ends so)", r + 1, mean_loss, mean_loss / self.start_loss, self.start_loss)

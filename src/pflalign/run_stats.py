@@ -13,7 +13,7 @@ import numpy as np
 # A run whose mean training loss passes this multiple of the loss it started from (`start_loss`) has
 # diverged: on FLAN the committed healthy runs end at 0.21–0.43 × it (10 and 50 rounds; pFLAlign at
 # β = 0.99, which barely moves, 0.92 ×), the diverged ones at 2.5–6.0 × (docs/results/table1-flan,
-# tune-flan). `lifecycle.Recorder.train` warns when a round passes it; `pflalign report` marks a run whose last
+# tune-flan). `lifecycle.LossWatch` warns when a round passes it; `pflalign report` marks a run whose last
 # round ends above it.
 DIVERGED_LOSS_RATIO = 2.0
 

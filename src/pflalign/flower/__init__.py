@@ -1,14 +1,16 @@
 """pflalign on Flower: every method on real processes and machines, with the
 same client and server code as the in-process engine. This package sits
 beside `pflalign.engine`, not above it: both use `pflalign.client` (the
-client side) and `pflalign.lifecycle` (the run folder and the round loop).
+client side), `pflalign.server` (the server side) and `pflalign.lifecycle`
+(the run folder).
 
-* `server_app.app` (a Flower ``ServerApp``) runs the rounds with
-  `strategy.MethodStrategy`, a Flower strategy that wraps our `Method`: it
-  broadcasts w^r (plus ``method.broadcast``), collects the clients' messages
-  and calls ``method.aggregate`` with data-size weights; the server state
-  lives in it. It writes the run directory with the same
-  `pflalign.lifecycle.Recorder` as ``pflalign run``.
+* `server_app.app` (a Flower ``ServerApp``) runs the rounds (its `train`
+  loop) with `strategy.MethodStrategy`, a Flower strategy around the run's
+  `pflalign.server.Server` (the method's server rule, w^r, the server
+  state): it broadcasts w^r (plus ``Server.broadcast``), collects and checks
+  the clients' messages and aggregates them on the server with data-size
+  weights (``Server.start_round``, ``finish_round``). It writes the run
+  directory with the same `pflalign.lifecycle.Recorder` as ``pflalign run``.
 * `client_app.app` (a Flower ``ClientApp``) is one client: it loads its own
   partition (node config ``partition-id``), keeps its method state in a file
   on its own host, and runs `pflalign.client.train_client`.

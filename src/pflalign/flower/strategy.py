@@ -1,18 +1,21 @@
 """`MethodStrategy`: a Flower strategy that runs one of our methods' server rule.
 
-It holds what the in-process engine's server holds: the global adapter w^r,
-the method's server state (SCAFFOLD's c, FedDyn's h, FedOpt's moments) and,
-per client, how many rounds it has finished. Which SuperNode is which client
-(their node config's ``partition-id``, asked with a ``query`` message) is its
-`Nodes`' business.
+It runs the in-process engine's server: a `pflalign.server.Server` (the
+method, the global adapter w^r and the method's server state: SCAFFOLD's c,
+FedDyn's h, FedOpt's moments), which the ServerApp builds, restores and hands
+it; besides it holds what only a Flower run has: per client, how many rounds
+it has finished and the |D_k| it declared, and the DP noise of each round
+(`state_dict` / `load_state_dict`: the checkpoint's ``flower`` entry). Which
+SuperNode is which client (their node config's ``partition-id``, asked with a
+``query`` message) is its `Nodes`' business.
 
 * `configure_train`: the round's participants are `lifecycle.sample_clients`
   (the same seeded sample); each is sent w^r and ``method.broadcast(...)``.
 * `collect_train` (`aggregate_train` for Flower's interface): the replies in
-  client order, returned as a `TrainOutcome`; the method's aggregation
-  (``method.start_aggregation``) with weights |D_k| / Σ_j |D_j| over the
-  clients whose replies passed the checks and a `RoundContext`, fed one
-  decoded update at a time. A client that did not reply (node gone, error,
+  client order, aggregated by the server (`Server.start_round` with |D_k|
+  over the clients whose replies passed the checks, fed one decoded update
+  at a time, `Server.finish_round`) and returned as a `TrainOutcome` that
+  holds w^{r+1}. A client that did not reply (node gone, error,
   timeout) is logged by name and left out, as long as at least
   ``min-clients`` replied (0: all sampled clients); otherwise `RoundFailed`.
   A reply whose update fails the checks of `validate` (names, shapes, dtypes,
@@ -40,7 +43,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -49,8 +52,9 @@ from flwr.serverapp.strategy import Strategy
 from ..client import ClientRound
 from ..config import RunConfig
 from ..errors import TrainingDiverged, UserError
-from ..lifecycle import RoundRecord, eval_clients, sample_clients
-from ..methods.base import Method, Params, RoundContext, data_weights
+from ..lifecycle import eval_clients, sample_clients
+from ..params import Params
+from ..server import RoundPlan, RoundRecord, Server
 from . import privacy as priv, validate, wire
 
 log = logging.getLogger("flwr.pflalign")
@@ -64,7 +68,7 @@ class RoundFailed(UserError):
 class TrainOutcome:
     """What a training round gave: the aggregated clients' replies and who is absent, and why."""
 
-    record: RoundRecord  # the accepted replies (client order), their weights
+    record: RoundRecord  # w^{r+1}; the accepted replies (client order), their weights
     missing: dict[int, str] = field(default_factory=dict)  # sampled clients without a reply → why
     rejected: dict[int, str] = field(default_factory=dict)  # replies that failed `validate` → why
     bytes_down: int = 0  # the round's tensor payload to the clients
@@ -151,23 +155,31 @@ class Nodes:
                 for k in clients if k not in self.of}
 
 
+def client_round(metrics: dict) -> ClientRound:
+    """A checked training reply's metrics as the client's round, for the metrics lines (its update
+    goes to the server's sums, not here)."""
+    m = metrics
+    return ClientRound(message={}, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr_mean"),
+                       gsnr_ratio=m.get("gsnr_ratio"), update_norm=m["update_norm"], model_norm=m["model_norm"],
+                       method_metrics=wire.method_metrics(m))
+
+
 class MethodStrategy(Strategy):
-    def __init__(self, method: Method, cfg: RunConfig, global_params: Params, experiment: str,
+    def __init__(self, server: Server, cfg: RunConfig, experiment: str,
                  min_clients: int = 0, query_timeout: float = 120.0, max_update_norm: float = 0.0,
                  max_update_ratio: float = wire.RUN_DEFAULTS["max-update-ratio"],
                  max_size_ratio: float = wire.RUN_DEFAULTS["max-size-ratio"],
                  privacy: priv.Privacy = priv.Privacy(),
-                 connect_timeout: float = wire.RUN_DEFAULTS["connect-timeout"]):
-        self.method, self.cfg, self.experiment = method, cfg, experiment
+                 connect_timeout: float = wire.RUN_DEFAULTS["connect-timeout"], names: list[str] | None = None):
+        self.server, self.method, self.cfg, self.experiment = server, server.method, cfg, experiment
         self.privacy = privacy  # DP and SecAgg+ (privacy.py); checked against the method by the ServerApp
-        self.global_params = global_params
-        self.server_state = method.init_server_state(global_params)
-        self.dtype = next(iter(global_params.values())).dtype
-        self.nodes = Nodes(wire.client_names(cfg), query_timeout)
+        self.dtype = next(iter(server.global_params.values())).dtype
+        # the clients' names (`wire.client_names`; the ServerApp passes those it read for the server's N)
+        self.nodes = Nodes(names if names is not None else wire.client_names(cfg), query_timeout)
         self.min_clients = min_clients
         # a client that has never had a SuperNode is waited for until connect-timeout after the first `connect`
         self.connect_timeout, self.connect_deadline = connect_timeout, None
-        self.expected = validate.expected_message(method, global_params)  # what a client's update must look like
+        self.expected = validate.expected_message(server.method, server.global_params)  # what an update must look like
         self.max_update_norm = max_update_norm  # 0: no bound
         self.max_update_ratio = max_update_ratio  # x the global model's norm; 0: no bound
         self.max_size_ratio = max_size_ratio  # a declared n_train / n_test x the round's median; 0: no bound
@@ -178,6 +190,34 @@ class MethodStrategy(Strategy):
         # the clients not even sent one (no SuperNode) → why
         self._pending: list[tuple[Message, int]] = []
         self._unreached: dict[int, str] = {}
+
+    # ---- checkpoint (its ``flower`` entry; the server's part is `Server.state_dict`) -----------
+    def state_dict(self) -> dict:
+        return {"experiment": self.experiment, "rounds_done": self.rounds_done, "noise_std": self.noise_std,
+                "n_train": self.n_train, "privacy": asdict(self.privacy)}
+
+    def results_entry(self, missing: dict[int, str]) -> dict:
+        """results.json's ``flower`` entry: the experiment, the rounds accepted per client, the
+        clients not scored (`missing`: client → why) and, under DP, the (ε, δ) that the noise
+        each round's mean got (also in that round's metrics line) gives."""
+        entry = {
+            "experiment": self.experiment,
+            "rounds_done": {str(k): n for k, n in sorted(self.rounds_done.items())},
+            "missing_clients": [{"id": k, "task": self.nodes.names[k], "reason": why}
+                                for k, why in sorted(missing.items())],
+        }
+        report = self.privacy.report([self.noise_std.get(r) for r in range(self.cfg.rounds)])
+        if report:
+            entry["privacy"] = report
+        return entry
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Back to a checkpoint's `state_dict`; refused (`privacy.check_resume`) when the run's
+        privacy options differ from the checkpoint's."""
+        priv.check_resume(saved.get("privacy"), self.privacy)
+        self.experiment, self.rounds_done = saved["experiment"], saved["rounds_done"]
+        self.noise_std = saved.get("noise_std", {})
+        self.n_train = saved.get("n_train", {})  # the sizes clients declared first
 
     @property
     def num_clients(self) -> int:
@@ -245,7 +285,7 @@ class MethodStrategy(Strategy):
         r = server_round - 1
         chosen = self.clients_of_round(r)
         self._unreached = self.connect(grid, chosen)
-        broadcast = wire.pack(wire.BROADCAST, self.method.broadcast(self.global_params, self.server_state))
+        broadcast = wire.pack(wire.BROADCAST, self.server.broadcast())
         dp = {priv.KEY_CLIPPING_NORM: self.privacy.clipping_norm} if self.privacy.dp else {}  # fixedclipping_mod's
         return self._messages(
             [k for k in chosen if k in self.nodes.of],
@@ -253,7 +293,7 @@ class MethodStrategy(Strategy):
             MessageType.TRAIN, server_round)
 
     def collect_train(self, server_round: int, replies: Iterable[Message]) -> TrainOutcome:
-        """Round `server_round`'s replies, checked and aggregated into w^{r+1} (`global_params`)."""
+        """Round `server_round`'s replies, checked and aggregated by the server into w^{r+1}."""
         r = server_round - 1
         sampled = len(self._pending) + len(self._unreached)
         bytes_down = sum(wire.payload_bytes(msg.content) for msg, _ in self._pending)
@@ -278,23 +318,16 @@ class MethodStrategy(Strategy):
         for k in sorted(rejected):
             log.warning("round %d: rejected the update of %s from SuperNode %d: %s", server_round,
                         self.name(k), got[k].metadata.src_node_id, rejected[k])
-        results = []
-        for k, m in sorted(accepted.items()):
-            if k in rejected:
-                continue
-            results.append((k, ClientRound(
-                message={}, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr_mean"),
-                gsnr_ratio=m.get("gsnr_ratio"), update_norm=m["update_norm"], model_norm=m["model_norm"],
-                method_metrics=wire.method_metrics(m))))
-            self.n_train[k] = m["n_train"]
+        results = {k: client_round(m) for k, m in sorted(accepted.items()) if k not in rejected}
+        self.n_train.update({k: accepted[k]["n_train"] for k in results})
         if len(results) < max(1, min(self.min_clients, sampled)):  # rejected ones do not count
             raise RoundFailed(f"round {server_round}: " + ("no valid update to aggregate" if not results else
                               f"{len(results)} valid updates, fewer than min-clients={self.min_clients}")
                               + "; rejected: "
                               + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(rejected.items())))
-        ids = [k for k, _ in results]
-        weights = data_weights([self.n_train[k] for k in ids])  # known once every reply is checked
-        ctx = RoundContext(r, self.num_clients, ids)
+        ids = list(results)
+        # the weights are known once every reply is checked; with DP the rule runs on the noised mean
+        plan = self.server.start_round(r, ids, [self.n_train[k] for k in ids], presummed=self.privacy.dp)
 
         def fed(running):  # the accepted updates added in client order, one decoded at a time
             for i, k in enumerate(ids):
@@ -303,16 +336,12 @@ class MethodStrategy(Strategy):
 
         extra = {}
         if self.privacy.dp:  # the method's rule on the noised mean (privacy.py says why there)
-            mean = fed(priv.WeightedMean(weights)).result()
-            extra["dp_noise_std"] = self.noise_std[r] = priv.add_noise(self.privacy, mean, weights)
-            self.global_params = self.method.aggregate(self.global_params, [mean], [1.0], self.server_state, ctx)
+            mean = fed(priv.WeightedMean(plan.weights)).result()
+            extra["dp_noise_std"] = self.noise_std[r] = priv.add_noise(self.privacy, mean, plan.weights)
+            plan.add(0, mean)
         else:
-            self.global_params = fed(self.method.start_aggregation(self.global_params, weights, self.server_state,
-                                                                   ctx)).finish()
-        for k in ids:
-            self.rounds_done[k] = self.rounds_done.get(k, 0) + 1
-        return TrainOutcome(RoundRecord(ids, [res for _, res in results], weights, extra), missing, rejected,
-                            bytes_down, bytes_up)
+            fed(plan)
+        return TrainOutcome(self._finish(plan, results, extra), missing, rejected, bytes_down, bytes_up)
 
     def train_secagg(self, server_round: int, grid: Grid, timeout: float) -> TrainOutcome:
         """Round `server_round` with Flower's SecAgg+ (`privacy.secagg_round`): the sampled
@@ -329,8 +358,8 @@ class MethodStrategy(Strategy):
         if len(clients) < max(2, need):
             raise RoundFailed(f"round {server_round}: SecAgg+ needs at least 2 clients (and min-clients="
                               f"{self.min_clients or 'all'}); {len(clients)} of {len(chosen)} connected")
-        names = list(self.global_params)
-        parameters = priv.to_parameters(self.global_params.values())
+        names = list(self.server.global_params)
+        parameters = priv.to_parameters(self.server.global_params.values())
         fitins = {self.nodes.of[k]: priv.FitIns(parameters, priv.fit_config(self._config(k, round=r), names,
                                                                             self.privacy))
                   for k in clients}
@@ -346,7 +375,7 @@ class MethodStrategy(Strategy):
             raise RoundFailed(f"round {server_round}: secure aggregation over {len(got)} of {len(chosen)} "
                               f"clients (min-clients={self.min_clients or 'all'}) did not finish; missing: "
                               + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(missing.items())))
-        results = []
+        results = {}
         too_large = validate.oversized({k: res.num_examples for k, res in got.items()}, self.max_size_ratio)
         for k in sorted(got):
             m = {key: json.loads(v) if key == "losses" else v for key, v in got[k].metrics.items()}
@@ -359,12 +388,8 @@ class MethodStrategy(Strategy):
                 raise RoundFailed(f"round {server_round}: {self.name(k)} sent malformed metrics under SecAgg+ "
                                   f"(its upload cannot be left out of the sum): {reason}")
             self.n_train[k] = n
-            results.append((k, ClientRound(
-                message={}, personalized=None, losses=list(m["losses"]), gsnr_mean=m.get("gsnr_mean"),
-                gsnr_ratio=m.get("gsnr_ratio"), update_norm=m["update_norm"], model_norm=m["model_norm"],
-                method_metrics=wire.method_metrics(m))))
-        ids = [k for k, _ in results]
-        weights = data_weights([self.n_train[k] for k in ids])
+            results[k] = client_round(m)
+        ids = list(results)
         try:
             average = priv.unflatten(mean, self.expected)
         except UserError as exc:
@@ -373,24 +398,28 @@ class MethodStrategy(Strategy):
         if reason:
             raise RoundFailed(f"round {server_round}: the secure aggregate is unusable: {reason}")
         average = {g: {n: t.to(self.dtype) for n, t in ts.items()} for g, ts in average.items()}
+        # the method's rule on the secure (and, with DP, noised) mean of the uploads
+        plan = self.server.start_round(r, ids, [self.n_train[k] for k in ids], presummed=True)
         extra = {"secagg": True}
         if self.privacy.dp:
-            extra["dp_noise_std"] = priv.add_noise(self.privacy, average, weights)
-        self.global_params = self.method.aggregate(self.global_params, [average], [1.0], self.server_state,
-                                                   RoundContext(r, self.num_clients, ids))
-        for k in ids:
-            self.rounds_done[k] = self.rounds_done.get(k, 0) + 1
-        if "dp_noise_std" in extra:
-            self.noise_std[r] = extra["dp_noise_std"]
+            extra["dp_noise_std"] = self.noise_std[r] = priv.add_noise(self.privacy, average, plan.weights)
+        plan.add(0, average)
+        record = self._finish(plan, results, extra)
         # down: w^r in each FitIns; up: not counted (masked vectors travel in ConfigRecords)
-        return TrainOutcome(RoundRecord(ids, [res for _, res in results], weights, extra), missing, {},
-                            sum(len(b) for b in parameters.tensors) * len(clients), None)
+        return TrainOutcome(record, missing, {}, sum(len(b) for b in parameters.tensors) * len(clients), None)
+
+    def _finish(self, plan: RoundPlan, results: dict[int, ClientRound], extra: dict) -> RoundRecord:
+        """The server's w^{r+1} and the round's record; each aggregated client has a round more done."""
+        record = self.server.finish_round(plan, list(results.values()), extra)
+        for k in record.clients:
+            self.rounds_done[k] = self.rounds_done.get(k, 0) + 1
+        return record
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord, MetricRecord]:
         """Flower's hook: `collect_train`, as records."""
         outcome = self.collect_train(server_round, replies)
         losses = [loss for res in outcome.record.results for loss in res.losses]
-        return wire.to_record(self.global_params), MetricRecord({"mean_loss": sum(losses) / len(losses)})
+        return wire.to_record(outcome.record.global_params), MetricRecord({"mean_loss": sum(losses) / len(losses)})
 
     def _accept(self, content: RecordDict, k: int | None = None) -> dict:
         """A training reply's metrics, once the reply passes `validate`; else
@@ -404,7 +433,7 @@ class MethodStrategy(Strategy):
         reason = (validate.validate_records(content.array_records, self.expected, wire.MESSAGE)
                   or validate.validate_train_metrics(metrics, self.cfg.local_steps, self.n_train.get(k))
                   or validate.validate_update(update, self.expected, self.max_update_norm,
-                                              {g: self.global_params for g in self.method.weight_groups},
+                                              {g: self.server.global_params for g in self.method.weight_groups},
                                               self.max_update_ratio, self.cfg.lr * self.cfg.local_steps))
         if reason:
             raise validate.InvalidUpdate(reason)
