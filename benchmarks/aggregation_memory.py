@@ -40,7 +40,7 @@ def status_kib(field: str) -> int:
 
 def one(participants: int, data_dir: Path, lora_r: int, method: str) -> dict:
     from pflalign.config import build_config
-    from pflalign.engine import Federation
+    from pflalign.run.engine import Federation
 
     cfg = build_config(None, {
         "method": method, "model": "tiny-llama", "lora": {"r": lora_r, "alpha": 2 * lora_r}, "rounds": 1,

@@ -45,11 +45,11 @@ from pathlib import Path
 
 import torch
 
-from pflalign import allocator
-from pflalign.lifecycle import Recorder
+from pflalign.run import allocator
+from pflalign.run.lifecycle import Recorder
 from pflalign.config import build_config
 from pflalign.data.load import load_federation
-from pflalign.engine import Federation
+from pflalign.run.engine import Federation
 from pflalign.evaluate import generate
 from pflalign.model import FederatedLM, LoraSettings
 from pflalign.prompts import IGNORE, batch_indices, collate_train, encode_prompt, encode_train
@@ -265,7 +265,7 @@ def peak_memory(clients: int, flan_dir: Path, setting: dict) -> dict:
     overrides = {**setting, "rounds": 1, "local_steps": 1, "eval": {"base_model": False, "max_new_tokens": 1},
                  "data": {"name": "flan", "dir": str(flan_dir), "clients": categories, "max_test": 1}}
     code = ("import tempfile; from bench import own_peaks; from pflalign.config import build_config; "
-            "from pflalign.engine import run; run(build_config(None, json.loads(sys.argv[1])), tempfile.mkdtemp(), "
+            "from pflalign.run.engine import run; run(build_config(None, json.loads(sys.argv[1])), tempfile.mkdtemp(), "
             "progress=False); print(json.dumps(own_peaks()))")
     return python_json(code, overrides)
 

@@ -5,7 +5,7 @@
 RUN_DIR is a finished (or checkpointed) run folder with its checkpoint, e.g. a
 Table 1 run outside the work tree. The run's final adapters are loaded and each
 scored model (personalized, global; the base model is cached across runs, see
-base_cache.py) generates for every test prompt exactly as `Federation.evaluate`
+model/base_cache.py) generates for every test prompt exactly as `Federation.evaluate`
 does. Every forward call is timed: a call with more than one input position is
 a prefill (the left-padded batch of prompts), one with a single position a
 decode step (one new token for each row still running).
@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench import linear_shapes, matmul_peak  # noqa: E402
 
 from pflalign import checkpoint as ckpt  # noqa: E402
-from pflalign.client import score_client  # noqa: E402
+from pflalign.run.client import score_client  # noqa: E402
 from pflalign.config import build_config  # noqa: E402
-from pflalign.engine import Federation  # noqa: E402
+from pflalign.run.engine import Federation  # noqa: E402
 
 
 class ForwardTimer:

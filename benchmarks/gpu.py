@@ -9,7 +9,7 @@ Sections, each wrapped so that one failing records its error in the JSON and the
   warm-ups): the denominator of every utilisation figure below.
 * ``correctness``: the pinned tiny configurations (tests/test_pinned_results.py: the federation
   of tests/test_engine.py's TINY, 2 rounds) of pFLAlign, FedAvg, SCAFFOLD and FedSA-LoRA through
-  `pflalign.engine.run` on the device, in float32 with TF32 off, against the CPU results in
+  `pflalign.run.engine.run` on the device, in float32 with TF32 off, against the CPU results in
   benchmarks/results/gpu_reference.* (written on CPU by ``--write-reference``, which records
   whether its adapters hash to tests/pinned_results.json's pins): every train-step loss and the final global
   adapter within RTOL_FP32 relative; then the same in bfloat16 (frozen base in bf16, adapters
@@ -184,9 +184,9 @@ def tiny_config(method: str, device: str, dtype: str) -> dict:
 def tiny_run(method: str, device: str, dtype: str, root: Path) -> tuple[dict, dict]:
     """(figures, the final global adapter) of one pinned configuration's 2-round run."""
     from pflalign import checkpoint as ckpt
-    from pflalign.client_store import client_records, tensors_in
+    from pflalign.run.client_store import client_records, tensors_in
     from pflalign.config import build_config
-    from pflalign.engine import run
+    from pflalign.run.engine import run
 
     out = root / f"{method}-{device.replace(':', '')}-{dtype}"
     results = run(build_config(None, tiny_config(method, device, dtype)), out, progress=False)
@@ -247,14 +247,14 @@ def write_reference(methods: list[str]) -> dict:
 
 def rouge_available() -> str:
     """"yes", or why not: without rouge-score (benchmarks/gpu_wheels.sh) the runs still compare
-    losses and adapters, their ROUGE-L replaced by 0 (pflalign.client scores with it)."""
+    losses and adapters, their ROUGE-L replaced by 0 (pflalign.run.client scores with it)."""
     try:
         import rouge_score.rouge_scorer  # noqa: F401
         return "yes"
     except ImportError as exc:
-        import pflalign.client
+        import pflalign.run.client
 
-        pflalign.client.rouge_l = lambda predictions, references: 0.0
+        pflalign.run.client.rouge_l = lambda predictions, references: 0.0
         return f"no ({exc}): ROUGE-L not computed, reported as 0"
 
 
@@ -523,7 +523,7 @@ def bill(speed_rows: dict) -> dict:
                             "total_minutes": (train_s + eval_s) / 60}
         for dataset, prompts in TEST_PROMPTS.items():
             # every run scores its personalized and global models; the base model once per sweep
-            # (base_cache.py)
+            # (model/base_cache.py)
             step = row["train_short" if dataset == "flan" and "train_short" in row else "train"]["step_seconds"]
             train_s = TABLE1_GRADIENTS * ROUNDS * LOCAL_STEPS * CLIENTS * step
             eval_s = (2 * TABLE1_RUNS + 1) * prompts * EVAL_NEW_TOKENS / row["generate"]["tokens_per_s"]

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from pflalign import allocator
+from pflalign.run import allocator
 
 CHILD = r"""
 import json, os, resource, sys, threading, time
@@ -176,7 +176,7 @@ def private_cache(cache: Path) -> Path:
         if (host / part).is_dir() and not (cache / part).exists():
             shutil.copytree(host / part, cache / part)
     code = ("import torch; from pflalign.model import fetch_embedded_model, cache_dir; "
-            "from pflalign.model_cache import cached_folder; "
+            "from pflalign.model.model_cache import cached_folder; "
             "print(cached_folder(fetch_embedded_model('smollm2-135m'), torch.float32, cache_dir() / 'dequantized'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, "PFLALIGN_CACHE": str(cache)})

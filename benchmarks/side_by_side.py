@@ -32,15 +32,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench import matmul_peak  # noqa: E402
 
-from pflalign import allocator  # noqa: E402
+from pflalign.run import allocator  # noqa: E402
 
 ROUND_CODE = """
 import hashlib, json, resource, sys, time
 import torch
 from pathlib import Path
 from pflalign.config import build_config
-from pflalign.engine import Federation
-from pflalign.lifecycle import Recorder
+from pflalign.run.engine import Federation
+from pflalign.run.lifecycle import Recorder
 args = json.loads(sys.argv[1])
 if args["threads"]:
     torch.set_num_threads(args["threads"])

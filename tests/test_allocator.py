@@ -1,4 +1,4 @@
-"""The `pflalign` command runs under mimalloc (allocator.py): when, how, and what its children see."""
+"""The `pflalign` command runs under mimalloc (run/allocator.py): when, how, and what its children see."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pflalign import allocator
+from pflalign.run import allocator
 from pflalign.errors import UserError
 
 from test_cli import TINY_SET
@@ -68,7 +68,7 @@ def test_pflalign_command_runs_under_mimalloc_unless_told_not_to(tmp_path, setti
 @linux_with_wheel
 def test_release_free_memory_gives_freed_pages_back_under_mimalloc():
     """Freed pages stay resident (the purge delay) until the engine's call hands them back."""
-    code = ("import torch; from pflalign import allocator\n"
+    code = ("import torch; from pflalign.run import allocator\n"
             "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096 / 1e6\n"
             "for n in (1_000_000, 2_000_000, 4_000_000): x = torch.ones(n); del x  # activation-sized\n"
             "before = rss(); allocator.release_free_memory(); print(allocator.active(), before, rss())")

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pflalign import checkpoint as ckpt
-from pflalign import client, engine
+from pflalign.run import client, engine
 from pflalign.config import build_config
 
 TINY = {
@@ -69,7 +69,8 @@ def test_source_digest_covers_the_code_generation_runs_through():
     from pathlib import Path
 
     import pflalign
-    from pflalign import base_cache, evaluate, model, prompts
+    from pflalign.model import base_cache
+    from pflalign import evaluate, model, prompts
 
     covered = set(base_cache.digested_sources())
     kernels = [importlib.import_module(f.__module__) for f in (model.use_segment_attention, model.use_fused_lora_mlp,

@@ -17,7 +17,7 @@ from pflalign.cli import main  # noqa: E402
 from pflalign.config import build_config  # noqa: E402
 from pflalign.data import Example  # noqa: E402
 from pflalign.data.files import read_table  # noqa: E402
-from pflalign.engine import run as run_in_process  # noqa: E402
+from pflalign.run.engine import run as run_in_process  # noqa: E402
 from pflalign.errors import UserError  # noqa: E402
 from pflalign.prompts import IGNORE, encode_prompt, encode_train  # noqa: E402
 
@@ -178,7 +178,7 @@ def test_a_conversational_federation_trains_and_scores(tmp_path, monkeypatch):
 def test_the_tokenized_data_cache_keeps_the_turns(tmp_path, monkeypatch, chatml):
     """A second load of the same file is a cache hit; its examples are still conversations
     (else evaluation would prompt with the plain transcript)."""
-    from pflalign import data_cache
+    from pflalign.run import data_cache
 
     monkeypatch.setenv("PFLALIGN_CACHE", str(tmp_path / "cache"))
     rows = [dict(CONVERSATIONS[0], topic="a"), dict(CONVERSATIONS[1], topic="a")] * 4

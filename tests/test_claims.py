@@ -1,4 +1,4 @@
-"""`pflalign.claims`: the paper's five claims judged by the fixed rules, on hand-made runs whose
+"""`pflalign.analysis.claims`: the paper's five claims judged by the fixed rules, on hand-made runs whose
 numbers are chosen so each verdict, interval and qualifier is known by hand."""
 
 import math
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pflalign.claims import (DOES_NOT_HOLD, HOLDS, HOLDS_CLEARLY, NOT_JUDGED, TABLE1_METHODS, TABLE1_SEEDS,
+from pflalign.analysis.claims import (DOES_NOT_HOLD, HOLDS, HOLDS_CLEARLY, NOT_JUDGED, TABLE1_METHODS, TABLE1_SEEDS,
                              claims_markdown, judge, missing_runs)
-from pflalign.report import Run
+from pflalign.analysis.report import Run
 
 TASK = "structure_to_text"
 T2 = 4.302652729911275  # t_{0.975, 2}: three seeds

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from pflalign.client import GradientStats, distance, local_round
+from pflalign.run.client import GradientStats, distance, local_round
 from pflalign.methods import METHODS
 from pflalign.methods.base import RoundContext
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
-from pflalign.client_store import client_records
+from pflalign.run.client_store import client_records
 from pflalign.cli import main
 from pflalign.config import build_config
-from pflalign.engine import run
+from pflalign.run.engine import run
 from pflalign.errors import UserError
 from pflalign.methods.base import clone
 

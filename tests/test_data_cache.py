@@ -1,4 +1,4 @@
-"""The tokenized-data cache (data_cache.py): a hit reads nothing and tokenizes nothing and gives
+"""The tokenized-data cache (run/data_cache.py): a hit reads nothing and tokenizes nothing and gives
 what loading and tokenizing give; the data files, the settings and the tokenizer are in the key;
 a damaged or foreign entry is never used; a client loads only its own data."""
 
@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from pflalign import data_cache
+from pflalign.run import data_cache
 from pflalign.config import build_config
 from pflalign.model import cache_dir, load_base_model
 from pflalign.partition import client_shares

@@ -6,7 +6,7 @@ factory call (torch.zeros, torch.tensor, torch.full, ...) made from pflalign's o
 every such call during tiny runs (training, per-round and final evaluation, stateful methods),
 by file and function; only the host-side batches, which are moved to the model's device before
 use, may do it. `*_like`, `new_*`, stack/cat and arithmetic inherit their inputs' device.
-(The Flower ClientApp runs the same client code: `pflalign.client`.)
+(The Flower ClientApp runs the same client code: `pflalign.run.client`.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from pflalign.config import build_config
-from pflalign.engine import run
+from pflalign.run.engine import run
 
 from test_engine import TINY
 

@@ -7,9 +7,9 @@ import torch
 
 from pflalign import checkpoint as ckpt
 from pflalign.config import build_config
-from pflalign.client_store import client_records
-from pflalign.engine import Federation, run
-from pflalign.lifecycle import Recorder, sample_clients
+from pflalign.run.client_store import client_records
+from pflalign.run.engine import Federation, run
+from pflalign.run.lifecycle import Recorder, sample_clients
 from pflalign.errors import UserError
 
 TINY = {
@@ -210,9 +210,9 @@ def test_results_split_the_evaluation_time_by_model(tmp_path, monkeypatch):
 def _train_with_losses(cfg, rec, start, end, losses):
     """Rounds start..end-1 of one client whose local steps have these losses (a list per round),
     recorded and watched as an engine's loop does: the round's lines, the watch, a checkpoint."""
-    from pflalign.client import ClientRound
-    from pflalign.lifecycle import LossWatch
-    from pflalign.server import RoundRecord
+    from pflalign.run.client import ClientRound
+    from pflalign.run.lifecycle import LossWatch
+    from pflalign.run.server import RoundRecord
 
     rec.open(rec.config(cfg))
     watch = LossWatch(rec)
@@ -230,7 +230,7 @@ def test_a_round_past_twice_the_starting_loss_warns_once_also_after_a_resume(tmp
     cfg = tiny_config(rounds=6)
     # round means 1.0, 0.5, 2.0, 2.5, 0.4, 3.0 from a start of 1.0: 2.0 is not past 2 × 1.0, 2.5 is
     losses = [[1.0, 1.0], [0.5], [2.0], [2.5], [0.4], [3.0]]
-    with caplog.at_level(logging.WARNING, logger="pflalign.lifecycle"):
+    with caplog.at_level(logging.WARNING, logger="pflalign.run.lifecycle"):
         _train_with_losses(cfg, Recorder(tmp_path, resume=False, overwrite=False), 0, 3, losses)
         assert not caplog.records
         # the start read back from round 1's train_step lines
@@ -245,7 +245,7 @@ def test_a_blow_up_within_round_1_warns_in_round_1(tmp_path, caplog):
     import logging
 
     losses = [[1.0, 3.0, 8.0], [5.0], [6.0]]  # round 1's mean 4.0, first step 1.0
-    with caplog.at_level(logging.WARNING, logger="pflalign.lifecycle"):
+    with caplog.at_level(logging.WARNING, logger="pflalign.run.lifecycle"):
         _train_with_losses(tiny_config(rounds=3), Recorder(tmp_path, resume=False, overwrite=False), 0, 3, losses)
     assert [r.getMessage() for r in caplog.records] == [
         "round 1: mean training loss 4 is 4.0 × the loss the run started from (1): the run is diverging "

@@ -32,7 +32,7 @@ def test_add_exact_match_per_client_and_average():
 def test_report_computes_exact_match_of_older_runs_from_their_predictions(tmp_path):
     import json
 
-    from pflalign.report import Run, summarize, with_exact_match
+    from pflalign.analysis.report import Run, summarize, with_exact_match
 
     preds = [{"task": "a", "reference": "Yes", "personalized": "yes.", "global": "no", "base": None},
              {"task": "a", "reference": "No", "personalized": "maybe", "global": "no", "base": None}]

@@ -14,9 +14,9 @@ import torch
 
 from pflalign import checkpoint as ckpt
 from pflalign.config import build_config
-from pflalign.engine import run
-from pflalign.client_store import client_records
-from pflalign.export import ADAPTERS, export_run, read_adapter, run_adapters
+from pflalign.run.engine import run
+from pflalign.run.client_store import client_records
+from pflalign.run.export import ADAPTERS, export_run, read_adapter, run_adapters
 
 CLIENTS = ["arithmetic", "sorting"]
 # tiny-opt: its random outputs differ from prompt to prompt and between adapters (tiny-llama's
@@ -332,7 +332,7 @@ def test_gguf_adapters_name_the_dequantized_copy_in_the_cache(tmp_path, monkeypa
     copy in the model cache, which loads alone with the same tensors and says what it is."""
     from transformers import AutoModelForCausalLM
 
-    from pflalign.export import base_model
+    from pflalign.run.export import base_model
     from pflalign.model import load_base_model
     from tiny_gguf import write_tiny_gguf
 
@@ -393,7 +393,7 @@ def test_generate_on_an_exported_folder(tmp_path_factory, tmp_path, capsys):
 
 
 def test_base_and_card_for_a_hub_id_a_folder_and_an_unscored_client(tmp_path):
-    from pflalign.export import base_model, model_card
+    from pflalign.run.export import base_model, model_card
 
     assert base_model("meta-llama/Llama-3.2-1B-Instruct") == \
         ("meta-llama/Llama-3.2-1B-Instruct", "the Hugging Face hub model meta-llama/Llama-3.2-1B-Instruct")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pflalign import attention, lora_mlp, model as model_mod, rms_norm
+from pflalign.model import attention, lora_mlp, rms_norm
+from pflalign import model as model_mod
 from pflalign.model import FederatedLM, LoraSettings
 
 BATCH = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 0], [11, 12, 13, 14, 15, 16]]),

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
-from pflalign.client_store import client_records
+from pflalign.run.client_store import client_records
 from pflalign.config import build_config
-from pflalign.engine import run as run_in_process
+from pflalign.run.engine import run as run_in_process
 from pflalign.flower.cluster import Cluster
 
 from test_engine import TINY  # the same tiny federation as the in-process engine's tests
@@ -205,7 +205,7 @@ def test_every_methods_honest_update_passes_the_checks(tiny_llama, method):
     """A real round of the method's client rule, through the wire: accepted (bound on, generous)."""
     from flwr.app import RecordDict
 
-    from pflalign.client import local_round
+    from pflalign.run.client import local_round
     from pflalign.data import Example
     from pflalign.flower import wire
     from pflalign.flower.validate import expected_message, validate_update
@@ -281,7 +281,7 @@ def assert_matches_in_process(out: Path, state_dirs: list[Path], ref: dict) -> N
         assert_close(personalized(state_dir, results, k, 2), ref["clients"][k]["personalized"],
                      f"client {k} personalized adapter")
     # the exported adapters: the global one by the ServerApp, each personalized one on its own node
-    from pflalign.export import ADAPTERS, read_adapter
+    from pflalign.run.export import ADAPTERS, read_adapter
 
     assert_close(read_adapter(out / ADAPTERS / "global"), read_adapter(ref["out"] / ADAPTERS / "global"),
                  "exported global adapter")

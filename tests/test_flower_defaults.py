@@ -14,7 +14,7 @@ from pflalign.config import build_config
 from pflalign.flower import validate, wire
 from pflalign.flower.strategy import MethodStrategy, RoundFailed
 from pflalign.methods import METHODS, method_class
-from pflalign.server import Server
+from pflalign.run.server import Server
 
 from test_engine import TINY
 
@@ -27,7 +27,7 @@ def w0(tiny_llama):
 
 
 def honest_round(lm, w0, method: str):
-    from pflalign.client import local_round
+    from pflalign.run.client import local_round
     from pflalign.data import Example
     from pflalign.prompts import collate_train, encode_train
 

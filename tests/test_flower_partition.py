@@ -27,13 +27,13 @@ from flwr.app import ConfigRecord, Context, RecordDict  # noqa: E402
 
 from pflalign import checkpoint as ckpt  # noqa: E402
 from pflalign.config import build_config  # noqa: E402
-from pflalign.engine import Federation, run as run_in_process  # noqa: E402
+from pflalign.run.engine import Federation, run as run_in_process  # noqa: E402
 from pflalign.errors import UserError  # noqa: E402
 from pflalign.flower import client_app, strategy as strategy_module, wire  # noqa: E402
 from pflalign.flower.strategy import MethodStrategy  # noqa: E402
-from pflalign.lifecycle import sample_clients  # noqa: E402
+from pflalign.run.lifecycle import sample_clients  # noqa: E402
 from pflalign.methods import method_class  # noqa: E402
-from pflalign.server import Server  # noqa: E402
+from pflalign.run.server import Server  # noqa: E402
 
 from test_engine import TINY  # noqa: E402
 
@@ -180,7 +180,7 @@ def make_strategy(tiny_llama, cfg, **kw) -> MethodStrategy:
 
 
 def test_the_server_asks_100_new_supernodes_at_once_and_waits_only_for_the_sampled(tiny_llama, no_sleep):
-    from pflalign.lifecycle import eval_clients
+    from pflalign.run.lifecycle import eval_clients
 
     cfg = many(100, 0.1)
     first, scored = sample_clients(100, 0.1, cfg.seed, 0), eval_clients(100, 3, cfg.seed)

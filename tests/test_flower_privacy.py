@@ -480,7 +480,7 @@ def test_a_resumed_run_keeps_its_privacy_options(tmp_path):
     resumes as before)."""
     from pflalign.flower.server_app import checkpoint
     from pflalign.flower.strategy import MethodStrategy
-    from pflalign.server import Server
+    from pflalign.run.server import Server
 
     started = privacy.from_run_config({"dp-clipping-norm": 1.0, "dp-noise-multiplier": 0.5})
     cfg = build_config(None, tiny("fedavg"))

@@ -1,7 +1,7 @@
 """The training kernels against their unfused definitions: the LM head fused with
-cross-entropy (head_loss.py), per-example attention for packed rows (attention.py),
-the LoRA SwiGLU MLP that keeps fewer activations (lora_mlp.py) and RMSNorm with its
-closed-form gradient (rms_norm.py)."""
+cross-entropy (model/head_loss.py), per-example attention for packed rows (model/attention.py),
+the LoRA SwiGLU MLP that keeps fewer activations (model/lora_mlp.py) and RMSNorm with its
+closed-form gradient (model/rms_norm.py)."""
 
 import math
 import types
@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pflalign.attention import segment_sdpa
-from pflalign.head_loss import head_cross_entropy_sum
-from pflalign.lora_mlp import LoraSwiGLU
+from pflalign.model.attention import segment_sdpa
+from pflalign.model.head_loss import head_cross_entropy_sum
+from pflalign.model.lora_mlp import LoraSwiGLU
 from pflalign.model import FederatedLM, LoraSettings
 from pflalign.prompts import IGNORE
-from pflalign.rms_norm import LLAMA_NORMS, RMSNorm
+from pflalign.model.rms_norm import LLAMA_NORMS, RMSNorm
 
 
 @settings(max_examples=25, deadline=None)

@@ -3,7 +3,7 @@ those inside functions, which hide a cycle from Python but not from a reader), m
 the table below, never up or sideways, and form no cycle.
 
 Exempt: imports under ``if TYPE_CHECKING:`` (annotations only; nothing runs them) and a module's
-import of itself (workers.py's ``__main__`` block). A new module must be entered in `LAYERS`.
+import of itself (run/workers.py's ``__main__`` block). A new module must be entered in `LAYERS`.
 """
 
 from __future__ import annotations
@@ -17,29 +17,29 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "pflalign"
 # side in one layer do not import each other. `ALLOWED` narrows what a group may import below it.
 LAYERS: list[dict[str, list[str]]] = [
     {  # the bottom: errors, adapter tensors, and the config's values (settings.py imports only errors)
-        "values": ["errors", "params", "settings"],
+        "values": ["errors", "params", "settings", "run", "analysis"],
     },
     {  # data, files and scores: no model, no method, no run
-        "foundation": ["data", "data.*", "prompts", "checkpoint", "run_dir", "client_store", "model_cache",
-                       "run_stats", "evaluate", "tensorboard", "allocator",
+        "foundation": ["data", "data.*", "prompts", "checkpoint", "run.run_dir", "run.client_store", "model.model_cache",
+                       "run_stats", "evaluate", "tensorboard", "run.allocator",
                        "optim"],  # the local optimizers' math (SGD, AdamW) and the lr schedule, below the methods
     },
     {
-        "model": ["model", "attention", "lora_mlp", "rms_norm", "head_loss", "base_cache"],  # and its CPU kernels
+        "model": ["model", "model.attention", "model.lora_mlp", "model.rms_norm", "model.head_loss", "model.base_cache"],  # and its CPU kernels
         "methods": ["methods", "methods.*"],
     },
     {  # a config checked against the methods and data (config.make_method); the partition step
-        "setup": ["config", "partition", "data_cache"],
+        "setup": ["config", "partition", "run.data_cache"],
     },
     {
-        "client": ["client", "workers", "export"],  # the client side, both engines
-        "server": ["server"],  # the server side, both engines: the method's server rule, w^r, server state
-        "lifecycle": ["lifecycle"],  # the run folder and its bookkeeping: needs no client code
+        "client": ["run.client", "run.workers", "run.export"],  # the client side, both engines
+        "server": ["run.server"],  # the server side, both engines: the method's server rule, w^r, server state
+        "lifecycle": ["run.lifecycle"],  # the run folder and its bookkeeping: needs no client code
     },
     {
-        "engine": ["engine"],  # the two engines side by side: neither imports the other
+        "engine": ["run.engine"],  # the two engines side by side: neither imports the other
         "flower": ["flower", "flower.*"],
-        "analysis": ["report", "report_md", "figures", "claims"],  # beside the engines, no training code
+        "analysis": ["analysis.report", "analysis.report_md", "analysis.figures", "analysis.claims"],  # beside the engines, no training code
     },
     {
         "top": ["pflalign", "__main__", "cli", "api", "commands", "sweep"],
@@ -189,12 +189,12 @@ def test_layer_table_names_only_existing_modules():
 # ---- the checker itself, on toy graphs: it can fail --------------------------------------
 def test_checker_finds_an_upward_import_and_a_hidden_cycle(tmp_path):
     g = {"pflalign.errors": [], "pflalign.settings": [("pflalign.methods", 3)], "pflalign.methods": [],
-         "pflalign.report": [("pflalign.lifecycle", 5), ("pflalign.claims", 9)],
-         "pflalign.claims": [("pflalign.report", 2)], "pflalign.lifecycle": []}
+         "pflalign.analysis.report": [("pflalign.run.lifecycle", 5), ("pflalign.analysis.claims", 9)],
+         "pflalign.analysis.claims": [("pflalign.analysis.report", 2)], "pflalign.run.lifecycle": []}
     problems = upward_imports(g)
     assert any(p.startswith("pflalign.settings:3 imports pflalign.methods") for p in problems)
-    assert any(p.startswith("pflalign.report:5 imports pflalign.lifecycle") for p in problems)  # ALLOWED
-    assert cycles(g) == [["pflalign.claims", "pflalign.report"]]
+    assert any(p.startswith("pflalign.analysis.report:5 imports pflalign.run.lifecycle") for p in problems)  # ALLOWED
+    assert cycles(g) == [["pflalign.analysis.claims", "pflalign.analysis.report"]]
     # an import inside a function counts; one under TYPE_CHECKING does not
     pkg = tmp_path / "pflalign"
     pkg.mkdir()

@@ -11,9 +11,9 @@ import torch
 
 from pflalign import checkpoint as ckpt
 from pflalign.cli import main
-from pflalign.client import Client, accumulated_loss_and_grads, client_lr, draw_batches
+from pflalign.run.client import Client, accumulated_loss_and_grads, client_lr, draw_batches
 from pflalign.config import build_config, to_dict
-from pflalign.engine import run as run_in_process
+from pflalign.run.engine import run as run_in_process
 from pflalign.errors import UserError
 from pflalign.methods import METHODS
 from pflalign.methods.base import StepContext
@@ -88,7 +88,7 @@ def test_cosine_schedule_by_hand():
 
 
 def test_the_engine_trains_each_round_at_the_scheduled_lr(tmp_path, monkeypatch):
-    import pflalign.workers as workers
+    import pflalign.run.workers as workers
 
     seen = []
     real = workers.local_round

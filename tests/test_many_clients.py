@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
-from pflalign.client_store import FOLDER, client_records
+from pflalign.run.client_store import FOLDER, client_records
 from pflalign.config import build_config
-from pflalign.engine import Federation, run
+from pflalign.run.engine import Federation, run
 from pflalign.errors import UserError
-from pflalign.lifecycle import distribution, eval_clients, sample_clients
+from pflalign.run.lifecycle import distribution, eval_clients, sample_clients
 
 from test_engine import TINY
 
@@ -54,7 +54,7 @@ def test_only_the_sampled_clients_are_loaded_and_tokenized(tmp_path, monkeypatch
     fed = Federation(cfg, progress=False, out=tmp_path)
     assert not any(c.tokenized for c in fed.clients)  # nothing tokenized up front
     assert all(c.state is None and c.personalized is None for c in fed.clients)
-    from pflalign.lifecycle import Recorder
+    from pflalign.run.lifecycle import Recorder
 
     rec = Recorder(tmp_path, resume=False, overwrite=False)
     rec.open(cfg)
@@ -167,7 +167,7 @@ def test_an_overwrite_failing_before_its_first_checkpoint_restores_the_old_clien
     """The new run's round-1 files have the old run's names (k.r1): they must not replace the old
     run's, which its restored checkpoint names by checksum."""
     from pflalign.errors import TrainingDiverged
-    from pflalign.lifecycle import Recorder
+    from pflalign.run.lifecycle import Recorder
 
     out = tmp_path / "run"
     run(config(rounds=2), out, stop_after=1, progress=False)
@@ -193,7 +193,7 @@ def _placed(name: str) -> str:
 def test_export_reads_one_client_at_a_time(tmp_path, monkeypatch):
     """`pflalign export` writes each client's adapter right after reading its file: it never
     holds every client's tensors at once (with many clients they would not fit)."""
-    from pflalign import client_store, export
+    from pflalign.run import client_store, export
 
     run(config(rounds=1), tmp_path / "run", progress=False)
     events = []
@@ -212,7 +212,7 @@ def test_export_reads_one_client_at_a_time(tmp_path, monkeypatch):
 def test_tensors_in_reads_the_clients_files(tmp_path):
     """`client_store.tensors_in` walks `client_records`' clients (a Sequence read from the files,
     not a list) as well as a checkpoint's nested dicts."""
-    from pflalign.client_store import ClientStore, tensors_in
+    from pflalign.run.client_store import ClientStore, tensors_in
 
     store = ClientStore(tmp_path, ["a", "b"])
     store.folder.mkdir()

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
-from pflalign.client_store import client_records, tensors_in
+from pflalign.run.client_store import client_records, tensors_in
 from pflalign.config import build_config
-from pflalign.engine import run
-from pflalign.export import ADAPTERS
+from pflalign.run.engine import run
+from pflalign.run.export import ADAPTERS
 from pflalign.model import FederatedLM, LoraSettings
 
 from test_engine import TINY

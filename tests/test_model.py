@@ -24,7 +24,7 @@ def test_response_only_loss_equals_full_masked_loss(family, request):
     assert ours.item() == pytest.approx(reference.item(), abs=1e-6)
 
 
-@pytest.mark.parametrize("segments", [True, False])  # per-example attention (attention.py) or a block-diagonal mask
+@pytest.mark.parametrize("segments", [True, False])  # per-example attention (model/attention.py) or a block-diagonal mask
 @pytest.mark.parametrize("pack_tokens", [1, 80, 512])  # one example per row, rows of 1-2, all in one row
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_opt"])
 def test_unpadded_step_equals_padded_batch_step(family, pack_tokens, segments, request):

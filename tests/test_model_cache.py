@@ -1,4 +1,4 @@
-"""The de-quantized model cache (model_cache.py): a GGUF loads from its safetensors copy with
+"""The de-quantized model cache (model/model_cache.py): a GGUF loads from its safetensors copy with
 exactly the GGUF's weights, config and tokenizer; a damaged, foreign or half-written entry is
 never used; the copy is memory-mapped; no progress bar when transformers' bars are off."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pflalign import model_cache
+from pflalign.model import model_cache
 from pflalign.model import FederatedLM, LoraSettings, cache_dir, embedded_model_path, load_base_model
 from pflalign.prompts import collate_train, encode_train
 from pflalign.data import Example

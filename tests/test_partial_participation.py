@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
-from pflalign.client_store import client_records
+from pflalign.run.client_store import client_records
 from pflalign.config import build_config
-from pflalign.engine import Federation
-from pflalign.lifecycle import Recorder, sample_clients
+from pflalign.run.engine import Federation
+from pflalign.run.lifecycle import Recorder, sample_clients
 from pflalign.methods.base import data_weights
 from pflalign.methods.feddyn import FedDyn, FedDynArgs
 from pflalign.methods.fedopt import FedAdam, FedAdamArgs

@@ -39,9 +39,9 @@ import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
-from pflalign.client_store import client_records
+from pflalign.run.client_store import client_records
 from pflalign.config import build_config, make_method
-from pflalign.engine import run as run_in_process
+from pflalign.run.engine import run as run_in_process
 from pflalign.methods import METHODS
 
 from test_engine import TINY

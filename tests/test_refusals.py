@@ -14,7 +14,7 @@ import pytest
 
 from pflalign import checkpoint as ckpt
 from pflalign.cli import main
-from pflalign.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTERS
+from pflalign.run.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTERS
 
 from test_cli import TINY_SET, _error
 
@@ -142,7 +142,7 @@ def test_a_full_disk_while_the_final_adapters_are_written_is_one_line_and_resume
 def test_out_of_memory_is_one_line_naming_the_sizes_and_the_checkpoint_resumes(capsys, tmp_path, monkeypatch, where):
     import torch
 
-    from pflalign import workers
+    from pflalign.run import workers
 
     args = ["run", *TINY_SET, "--set", "rounds=2", "--no-progress", "--out"]
     if where == "training":  # CUDA's allocator in client 0's second round (round index 1)
@@ -300,7 +300,7 @@ def test_report_into_a_file_is_refused(capsys, finished_sweep, tmp_path):
 
 def test_safetensors_full_disk_text_becomes_the_disk_full_line(tmp_path):
     """safetensors' writer (a merged model's weights) reports a full disk as text, not an OSError."""
-    from pflalign.export import _replace_folder
+    from pflalign.run.export import _replace_folder
 
     def write(tmp):
         tmp.mkdir()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pflalign import data_cache
+from pflalign.run import data_cache
 from pflalign.config import build_config
 from pflalign.data import Dataset, Example, Table, TaskData
 from pflalign.data import partition as data_partition
@@ -16,7 +16,7 @@ from pflalign.data.load import load_federation
 from pflalign.data.partition import PARTITIONERS, Partitioner, PartitionSpec, partition
 from pflalign.data.registry import DATASETS
 from pflalign.errors import UserError
-from pflalign.export import client_names as export_client_names
+from pflalign.run.export import client_names as export_client_names
 from pflalign.partition import client_names, client_shares
 
 TASKS = ("left", "right")

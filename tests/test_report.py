@@ -14,9 +14,9 @@ import scipy.stats
 from pflalign import checkpoint as ckpt
 from pflalign.cli import main
 from pflalign.config import build_config
-from pflalign.engine import run
+from pflalign.run.engine import run
 from pflalign.methods import label
-from pflalign.report import (Run, _ranks, ci95_half_width, client_gsnr_markdown, divergence, find_runs, method_order, paired_differences,
+from pflalign.analysis.report import (Run, _ranks, ci95_half_width, client_gsnr_markdown, divergence, find_runs, method_order, paired_differences,
                              t_quantile)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -140,7 +140,7 @@ def test_paired_differences_by_hand(sweep_dir, tmp_path):
 def test_no_significance_mark_from_two_seeds_or_equal_differences():
     """* only where the interval counts (report.judgeable): 3 seeds or more whose differences are not
     all equal. -16.67 twice was marked "-16.67 ± 0.00*"."""
-    from pflalign.report import Paired, paired_markdown
+    from pflalign.analysis.report import Paired, paired_markdown
 
     rows = {"fedavg": [-16.67, -16.67],  # 2 seeds, no spread
             "fedprox": [10.0, 10.1],  # 2 seeds: 10.05 ± 12.71 · 0.0707 / √2 = ± 0.64 excludes 0, 1 df
@@ -198,7 +198,7 @@ def _as_data(sweep_dir, root, name, tasks, **data):
 
 
 def test_paper_federations_are_recognised():
-    from pflalign.report import paper_federation
+    from pflalign.analysis.report import paper_federation
 
     def runs(name, tasks, **data):
         return [Run(None, "d", "fedavg", 0, {"clients": [{"task": t} for t in tasks]},
@@ -232,7 +232,7 @@ def test_the_papers_parts_only_for_the_papers_federations(sweep_dir, tmp_path):
     table = (tmp_path / "r-flan" / "synthetic" / "table.md").read_text()
     assert [line.split("|")[1].strip() for line in table.splitlines()[2:]] == [
         "*LoRA-modulation*", "FFA-LoRA", "*Optimizer-based*", "FedAvg", "*pFLAlign*", "pFLAlign"]
-    # the claims, judged on these runs (pflalign.claims; the rules are tested in test_claims.py): per client
+    # the claims, judged on these runs (pflalign.analysis.claims; the rules are tested in test_claims.py): per client
     # the scores repeat, so pFLAlign's Avg (25 + 28) / 2 = 26.5 is below FedAvg's (25 + 35) / 2 = 30
     assert main(["report", str(flan), "--out", str(tmp_path / "plain")]) == 0
     assert "The paper's claims" not in (tmp_path / "plain" / "report.md").read_text()  # only when asked
@@ -245,7 +245,7 @@ def test_the_papers_parts_only_for_the_papers_federations(sweep_dir, tmp_path):
 def test_one_answer_for_every_example_by_hand(tmp_path):
     """The most common personalized answer's share per client, mean over seeds, and the ROUGE-L of
     answering the most common reference to every example."""
-    from pflalign.report import answers_markdown
+    from pflalign.analysis.report import answers_markdown
 
     def run_with(method, seed, answers):
         path = tmp_path / method / f"seed{seed}"
@@ -440,8 +440,8 @@ def test_report_without_runs_is_one_line_exit_2(tmp_path, capsys):
 def test_whiskers_the_axis_cuts_end_in_a_mark(tmp_path):
     """The bars' y axis runs from 0 to just over 100 (ROUGE-L ≤ 100); a longer whisker is cut there,
     and a triangle on the axis says so."""
-    from pflalign.figures import _rouge_bars
-    from pflalign.report import Row
+    from pflalign.analysis.figures import _rouge_bars
+    from pflalign.analysis.report import Row
 
     rows = [Row("fedavg", [0, 1], {"a": 50.0, "b": 98.0}, {"a": 10.0, "b": 12.0}, 74.0, 2.0),  # b: 110 > 105
             Row("fedsam", [0, 1], {"a": 3.0, "b": 60.0}, {"a": 5.0, "b": None}, 31.5, 30.0),  # a: −2 < 0
@@ -457,7 +457,7 @@ def test_scatter_points_with_equal_values_stay_visible(tmp_path, monkeypatch):
     """Points that would land on one spot (equal to 0.01) are spread evenly on a ring around their value."""
     import matplotlib.axes
 
-    from pflalign.figures import _rouge_scatter, spread_coincident
+    from pflalign.analysis.figures import _rouge_scatter, spread_coincident
 
     r = 0.5
     moved = spread_coincident([(1.0, 1.0), (2.0, 2.0), (1.001, 1.0), (1.0, 1.0)], r)

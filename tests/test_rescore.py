@@ -8,7 +8,7 @@ import pytest
 
 from pflalign import checkpoint as ckpt
 from pflalign.cli import main
-from pflalign.engine import rescore, run
+from pflalign.run.engine import rescore, run
 from pflalign.errors import UserError
 
 from test_engine import tiny_config

@@ -6,7 +6,7 @@ import pytest
 
 from pflalign import checkpoint as ckpt
 from pflalign.config import build_config
-from pflalign.engine import run
+from pflalign.run.engine import run
 from pflalign.errors import UserError
 
 TINY = {

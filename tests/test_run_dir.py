@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pflalign import run_dir
+from pflalign.run import run_dir
 from pflalign.cli import main
 from pflalign.errors import TrainingDiverged
 
@@ -61,7 +61,7 @@ def test_overwrite_with_bad_data_leaves_the_finished_run_byte_identical(capsys, 
 
 
 def test_overwrite_failing_in_round_1_restores_the_old_run(capsys, finished, monkeypatch):
-    from pflalign.engine import Federation
+    from pflalign.run.engine import Federation
 
     def diverge(self, *args, **kwargs):
         raise TrainingDiverged("loss is nan")
@@ -153,7 +153,7 @@ def test_a_read_only_out_is_refused_before_loading(capsys, tmp_path, monkeypatch
     ro.mkdir()
     real = os.access
     monkeypatch.setattr(run_dir.os, "access", lambda p, mode: False if Path(p) == ro else real(p, mode))
-    import pflalign.engine as engine
+    import pflalign.run.engine as engine
 
     monkeypatch.setattr(engine, "Federation", lambda *a, **k: pytest.fail("loaded before refusing"))
     assert "is not writable" in _error(capsys, ["run", *TINY_SET, "--out", str(ro / "run")])

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from pflalign.config import build_config
-from pflalign.engine import Federation
-from pflalign.lifecycle import Recorder
+from pflalign.run.engine import Federation
+from pflalign.run.lifecycle import Recorder
 from pflalign.methods import METHODS
 from pflalign.methods.base import RoundContext, data_weights
-from pflalign.server import RoundPlan, Server
+from pflalign.run.server import RoundPlan, Server
 
 from test_engine import TINY
 from test_streaming_aggregation import SHAPES, assert_same_bits, random_messages

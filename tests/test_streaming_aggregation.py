@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pflalign.config import build_config
-from pflalign.engine import Federation
+from pflalign.run.engine import Federation
 from pflalign.flower import validate
 from pflalign.methods import METHODS
 from pflalign.methods.base import Method, RoundContext, WeightedSum, clone, data_weights, zeros_like

@@ -7,7 +7,7 @@ import pytest
 
 from pflalign import checkpoint as ckpt
 from pflalign.cli import main
-from pflalign.engine import run
+from pflalign.run.engine import run
 from pflalign.errors import UserError
 from pflalign.sweep import plan_sweep, run_sweep
 

@@ -30,7 +30,7 @@ def test_a_run_writes_the_per_round_scalars(tmp_path):
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from pflalign.engine import run
+    from pflalign.run.engine import run
 
     run(build_config(None, json.loads(json.dumps(TINY))), tmp_path, progress=False)
     events = EventAccumulator(str(tmp_path / tensorboard.FOLDER))
@@ -51,7 +51,7 @@ def test_a_run_writes_its_config_as_hparams_and_every_steps_loss(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    from pflalign.engine import run
+    from pflalign.run.engine import run
 
     run(build_config(None, json.loads(json.dumps(TINY))), tmp_path, progress=False)
     events = EventAccumulator(str(tmp_path / tensorboard.FOLDER))

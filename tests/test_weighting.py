@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
-from pflalign.client_store import client_records
+from pflalign.run.client_store import client_records
 from pflalign.config import build_config
-from pflalign.engine import run
+from pflalign.run.engine import run
 from pflalign.methods import METHODS
 from pflalign.methods.base import RoundContext, StepContext
 

@@ -8,7 +8,7 @@ import torch
 
 from pflalign.config import build_config
 from pflalign.data import Example
-from pflalign.engine import Federation
+from pflalign.run.engine import Federation
 from pflalign.model import FederatedLM, LoraSettings, load_base_model, mapped_files
 from pflalign.prompts import collate_train, encode_train
 
@@ -49,7 +49,7 @@ def test_in_memory_weights_are_not_mapped_and_train_bit_identically(tiny_folder)
 
 def test_the_engine_trains_on_weights_in_memory(tiny_folder):
     """workers = 1: the engine's process trains, so it holds the weights (worker processes keep
-    the mapping, which they share: `pflalign.workers` builds its model mapped)."""
+    the mapping, which they share: `pflalign.run.workers` builds its model mapped)."""
     cfg = build_config(None, json.loads(json.dumps({
         "model": str(tiny_folder), "lora": {"r": 4, "alpha": 8}, "rounds": 1, "local_steps": 1, "batch_size": 2,
         "data": {"name": "synthetic", "clients": ["arithmetic", "sorting"], "max_train": 4, "max_test": 2}})))

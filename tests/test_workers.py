@@ -14,11 +14,11 @@ import torch
 
 from pflalign import checkpoint as ckpt
 from pflalign.config import build_config
-from pflalign.engine import Federation, run
+from pflalign.run.engine import Federation, run
 from pflalign.errors import TrainingDiverged, UserError
-from pflalign.lifecycle import Recorder
-from pflalign.server import RoundPlan
-from pflalign.workers import Processes, WorkerFailed, check_workers
+from pflalign.run.lifecycle import Recorder
+from pflalign.run.server import RoundPlan
+from pflalign.run.workers import Processes, WorkerFailed, check_workers
 
 from test_engine import TINY
 from test_pinned_results import run_hashes
@@ -42,7 +42,7 @@ def one_thread_run(cfg, out: Path, **kwargs):
 
 
 def worker_processes() -> list[int]:
-    """This process's `python -m pflalign.workers` children still alive."""
+    """This process's `python -m pflalign.run.workers` children still alive."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -53,7 +53,7 @@ def worker_processes() -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == os.getpid() and b"pflalign.workers" in cmdline and " Z " not in stat[stat.rindex(")"):][:4]:
+        if ppid == os.getpid() and b"pflalign.run.workers" in cmdline and " Z " not in stat[stat.rindex(")"):][:4]:
             pids.append(int(entry.name))
     return pids
 
@@ -145,7 +145,7 @@ def test_the_costliest_start_first_within_a_window_of_the_next_2n(tmp_path, monk
     """Costs rising with the job index: unbounded, the last job would start first and every
     result before it would wait in the engine. Within the window only jobs fewer than 2 x workers
     ahead of the next one handed back start, so at most that many results are ever held."""
-    from pflalign.workers import ScoreJob
+    from pflalign.run.workers import ScoreJob
 
     cfg = config("fedavg")
     fed = Federation(cfg, progress=False, out=tmp_path, workers=2)
@@ -197,7 +197,7 @@ def test_processes_import_this_package(tmp_path):
 
     pool = Processes(1, json.loads(json.dumps(THREE)), tmp_path, [], {})
     try:
-        assert pool.procs[0].args[1:3] == ["-m", "pflalign.workers"]
+        assert pool.procs[0].args[1:3] == ["-m", "pflalign.run.workers"]
         assert Path(pflalign.__file__).resolve().parents[1].as_posix() in pool.env["PYTHONPATH"].split(os.pathsep)[0]
     finally:
         pool.close()
@@ -205,13 +205,13 @@ def test_processes_import_this_package(tmp_path):
 
 # ---- issue 41, item 5: --workers 99 for a few clients; workers outliving a killed engine ----------
 def test_workers_are_bounded_by_the_clients_and_the_cores(tmp_path, monkeypatch, caplog):
-    from pflalign.workers import bound_workers
+    from pflalign.run.workers import bound_workers
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
     assert bound_workers(99, 4, 4) == 4 and bound_workers(3, 4, 4) == 3
     assert bound_workers(99, 2, 5) == 5  # the final scoring may use more than a round
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    with caplog.at_level("WARNING", logger="pflalign.workers"):
+    with caplog.at_level("WARNING", logger="pflalign.run.workers"):
         assert bound_workers(99, 4, 4) == 2
     assert "--workers 99 lowered to 2: a round trains 4 clients, 4 are scored at the end, and this machine has " \
            "2 cores" in caplog.text
@@ -227,7 +227,7 @@ ORPHAN_PARENT = r"""
 import json, subprocess, sys, time
 from pflalign.config import build_config
 from pflalign.model import build_model
-from pflalign.workers import Processes
+from pflalign.run.workers import Processes
 cfg = json.loads(sys.argv[1])
 pool = Processes(2, cfg, sys.argv[2], [], build_model(build_config(None, cfg)).get_lora())
 # the engine's ends of the pipes held open elsewhere: as when a worker is mid-job and does not read

@@ -48,7 +48,7 @@ def run(cfg, out: str | Path, resume: bool = False, overwrite: bool = False, pro
     silences them, transformers' own bars too for the call (``--no-progress``)."""
     from transformers.utils import logging as hf_logging
 
-    from .engine import run as run_engine
+    from .run.engine import run as run_engine
 
     bars = hf_logging.is_progress_bar_enabled()
     if not progress:

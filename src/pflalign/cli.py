@@ -31,7 +31,7 @@ def _print_table(results: dict) -> None:
 
 
 def quiet_library_bars() -> None:
-    """--no-progress: transformers' own bars off too (weight loading; model_cache.py follows the same
+    """--no-progress: transformers' own bars off too (weight loading; model/model_cache.py follows the same
     switch for the GGUF de-quantization bar, a plain tqdm that transformers' switch does not reach)."""
     from transformers.utils import logging as hf_logging
 
@@ -54,7 +54,7 @@ def cmd_run(args) -> int:
         raise UserError("--resume continues with the run's saved config; drop --set/--data-dir/--method")
     cfg = None if args.resume else build_config(args.config, overrides)
     # the engine (torch, transformers: seconds, more under load) only once the config is checked
-    from .engine import run
+    from .run.engine import run
 
     if args.no_progress:
         quiet_library_bars()
@@ -89,7 +89,7 @@ def cmd_sweep(args) -> int:
         if stop is not None:
             raise stop
         return 0
-    from .run_dir import RunLock
+    from .run.run_dir import RunLock
 
     if args.no_progress:
         quiet_library_bars()
@@ -106,7 +106,7 @@ def cmd_sweep(args) -> int:
 
 def cmd_rescore(args) -> int:
     from .config import parse_set
-    from .engine import rescore
+    from .run.engine import rescore
 
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
@@ -120,7 +120,7 @@ def cmd_rescore(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report_md import write_report
+    from .analysis.report_md import write_report
 
     paired = tuple(args.paired) if args.paired else None
     print(write_report(Path(args.dir), Path(args.out), client=args.client, metric=args.metric, paired_against=paired,
@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a table of METHOD minus each other method, seed by seed (repeatable; default pflalign)")
     report.add_argument("--claims", action="store_true",
                         help="judge the paper's five FLAN Table 1 claims by the rules in docs/results/table1-flan "
-                             "(pflalign.claims)")
+                             "(pflalign.analysis.claims)")
     report.set_defaults(func=cmd_report)
 
     methods = sub.add_parser("methods", help="list the available methods")
@@ -237,9 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         if argv is None and args.command in ("run", "sweep"):  # the console command, about to train
-            from .allocator import reexec_under_mimalloc
+            from .run.allocator import reexec_under_mimalloc
 
-            reexec_under_mimalloc()  # returns in the re-executed process (allocator.py says why)
+            reexec_under_mimalloc()  # returns in the re-executed process (run/allocator.py says why)
         return args.func(args)
     except UserError as exc:
         print(f"pflalign: error: {exc}", file=sys.stderr)

@@ -15,7 +15,7 @@ from .errors import UserError
 
 # ---- pflalign export ------------------------------------------------------------
 def cmd_export(args) -> int:
-    from .export import export_run
+    from .run.export import export_run
 
     written = export_run(Path(args.run_dir), Path(args.out), client=args.client, merged=args.merged,
                          only_global=args.use_global, base_copy=args.base_copy and Path(args.base_copy))
@@ -31,7 +31,7 @@ def cmd_export(args) -> int:
 def adapter_folders(root: Path) -> dict[str, Path]:
     """{"global" | client name: adapter folder} of the adapter folders in `root` (a run's
     ``adapters/`` or a `pflalign export` folder)."""
-    from .export import ADAPTER_CONFIG, GLOBAL, INFO
+    from .run.export import ADAPTER_CONFIG, GLOBAL, INFO
 
     folders = {}
     for sub in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
@@ -47,7 +47,7 @@ def adapter_folders(root: Path) -> dict[str, Path]:
 
 def run_adapter_folders(run_dir: Path) -> dict[str, Path]:
     """{"global" | client name: adapter folder} of a finished run's ``adapters/``."""
-    from .export import ADAPTERS
+    from .run.export import ADAPTERS
 
     return adapter_folders(Path(run_dir) / ADAPTERS)
 
@@ -57,7 +57,7 @@ def exported_adapters(path: Path):
     (or a run's ``adapters/``), or one adapter folder; the config is the one each adapter's
     pflalign.json records. None when `path` holds no adapter folder."""
     from .config import build_config
-    from .export import ADAPTER_CONFIG, GLOBAL, INFO
+    from .run.export import ADAPTER_CONFIG, GLOBAL, INFO
 
     path = Path(path)
     if (path / ADAPTER_CONFIG).exists():  # one adapter folder
@@ -88,7 +88,7 @@ def load_generator(run_dir: Path, client: str | None):
 
     from . import checkpoint as ckpt
     from .config import build_config
-    from .export import GLOBAL
+    from .run.export import GLOBAL
     from .model import load_base_model
 
     run_dir = Path(run_dir)

@@ -1,6 +1,6 @@
 """Numbers a run and its report both compute from the same lines: the training loss a run
 started from, the ratio past which it counts as diverged, and how a score spreads over the
-clients. Here, below both, so that `pflalign.report` reads run folders without importing the
+clients. Here, below both, so that `pflalign.analysis.report` reads run folders without importing the
 run's lifecycle (and with it the training code); see tests/test_layers.py.
 """
 

@@ -54,7 +54,7 @@ from .config import RunConfig, build_config, load_config_source, to_dict
 from .settings import flat, merge
 from .errors import TrainingDiverged, UserError
 from .methods import method_class
-from .report import read_results
+from .analysis.report import read_results
 
 # The paper's Table 1 (its LLaMA rows: both families of baselines and pFLAlign), plus
 # `local`, no collaboration at all, the first thing a pFL reader asks about.
@@ -350,7 +350,7 @@ def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1) -
     one's results. A run whose training reaches a non-finite value stops (engine.run keeps its last
     checkpoint) and the sweep goes on with the others: one grid point that blows up does not cost the
     rest of the grid. Such runs are named, with what happened, in one UserError at the end."""
-    from .engine import run as run_one
+    from .run.engine import run as run_one
 
     bar = tqdm(total=len(runs), desc="sweep", unit="run", disable=not progress)
     say = tqdm.write if progress else print

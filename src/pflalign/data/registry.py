@@ -2,7 +2,7 @@
 `Dataset` (`pflalign.data.Dataset`: how it loads, its default clients, its table for a
 partition, the files the data cache keys on). To add a dataset: a loader module in this folder
 that defines its ``DATASET``, and its line here; `data.load`, `data.federate`,
-`pflalign.data_cache`, `pflalign.partition` and `pflalign export` read it from here.
+`pflalign.run.data_cache`, `pflalign.partition` and `pflalign export` read it from here.
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
 """pflalign on Flower: every method on real processes and machines, with the
 same client and server code as the in-process engine. This package sits
-beside `pflalign.engine`, not above it: both use `pflalign.client` (the
-client side), `pflalign.server` (the server side) and `pflalign.lifecycle`
+beside `pflalign.run.engine`, not above it: both use `pflalign.run.client` (the
+client side), `pflalign.run.server` (the server side) and `pflalign.run.lifecycle`
 (the run folder).
 
 * `server_app.app` (a Flower ``ServerApp``) runs the rounds (its `train`
   loop) with `strategy.MethodStrategy`, a Flower strategy around the run's
-  `pflalign.server.Server` (the method's server rule, w^r, the server
+  `pflalign.run.server.Server` (the method's server rule, w^r, the server
   state): it broadcasts w^r (plus ``Server.broadcast``), collects and checks
   the clients' messages and aggregates them on the server with data-size
   weights (``Server.start_round``, ``finish_round``). It writes the run
-  directory with the same `pflalign.lifecycle.Recorder` as ``pflalign run``.
+  directory with the same `pflalign.run.lifecycle.Recorder` as ``pflalign run``.
 * `client_app.app` (a Flower ``ClientApp``) is one client: it loads its own
   partition (node config ``partition-id``), keeps its method state in a file
-  on its own host, and runs `pflalign.client.train_client`.
+  on its own host, and runs `pflalign.run.client.train_client`.
 * `wire` is what crosses the wire: LoRA tensors as ArrayRecords, and the
   run configuration.
 * `cluster` starts a SuperLink, SuperNodes and `flwr run` as processes on
@@ -27,7 +27,7 @@ docs/distributed.md): ``pflalign.flower.server_app:app`` and
 
 def quiet_progress_bars() -> None:
     """Switch transformers' progress bars off in this process, and with them the GGUF
-    de-quantization bar (pflalign.model_cache follows the same switch): the apps' output is a
+    de-quantization bar (pflalign.model.model_cache follows the same switch): the apps' output is a
     log (the SuperNode's, the ServerApp's), where a bar is only carriage-return noise. Called
     by the apps before they build the model, not on import: importing transformers costs
     seconds, which a ClientApp process that answers a ``query`` should not pay."""

@@ -7,19 +7,19 @@ and ``num-partitions`` (must equal the number of clients). Optional
 node-config keys: ``data-dir`` (the dataset on this host; replaces
 ``data.dir``) and ``state-dir`` (see below). Client k computes its own share
 from the run's configuration and its host's data, with the same code as
-``pflalign run`` (`pflalign.data_cache.client_data`, `pflalign.partition`):
+``pflalign run`` (`pflalign.run.data_cache.client_data`, `pflalign.partition`):
 the same examples in the same order as client k in process.
 
 Three message types, all answered from this one module:
 
 * ``query``: which client am I (partition-id, num-partitions); nothing is loaded.
 * ``train``: one round. Builds the model and this client's data, loads its
-  state, runs `pflalign.client.train_client` (the one client-side
+  state, runs `pflalign.run.client.train_client` (the one client-side
   implementation, which the in-process engine runs too: the same minibatches,
   the same steps), saves the state and sends back only the method's message
   plus metrics.
 * ``evaluate``: ROUGE-L of its personalized model, of the global model it is
-  sent and of the base model, on its own test split (`pflalign.client.score_client`);
+  sent and of the base model, on its own test split (`pflalign.run.client.score_client`);
   the generations are written next to its state, only the scores are sent.
 
 Client state: the method's per-client `State`, the personalized adapter and
@@ -43,8 +43,8 @@ Within one process (the Simulation Engine's Ray actors) the model and the
 client's tokenized data are built once and reused across messages. Across
 processes (the Deployment Engine starts one per message) they come from the
 host's caches: the model's de-quantized safetensors copy, memory-mapped
-(`pflalign.model_cache`), and this client's examples with their token ids
-(`pflalign.data_cache`); on a miss a process loads client k's category alone,
+(`pflalign.model.model_cache`), and this client's examples with their token ids
+(`pflalign.run.data_cache`); on a miss a process loads client k's category alone,
 or makes the partition once (it needs the whole table) and keeps it for
 the other clients it serves. Its first
 train message logs how long after the process started its first local step
@@ -76,7 +76,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from ..errors import UserError
 
 if TYPE_CHECKING:  # imported where they are used (see the module docstring)
-    from ..client import Client
+    from ..run.client import Client
     from ..config import RunConfig
     from ..model import FederatedLM
 
@@ -110,7 +110,7 @@ app = ClientApp(mods=[privacy_mods])
 _CACHE: dict[str, object] = {}  # model, w^0 and partition, per process (reused by the Simulation Engine's actors)
 # Clients' tokenized data, per process: the most recently served ones only. A Simulation Engine
 # actor serves any of N clients, so keeping all would grow with N; one evicted is reloaded from
-# the host's tokenized-data cache (data_cache.py), which costs a file read.
+# the host's tokenized-data cache (run/data_cache.py), which costs a file read.
 MAX_CLIENTS_PER_PROCESS = 8
 _CLIENTS: OrderedDict[str, object] = OrderedDict()
 
@@ -141,8 +141,8 @@ def _cached(key: str, build):
 
 def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]:
     """The model (with w^0 as its live adapter on first build) and client k's data."""
-    from ..client import Client, make_client
-    from ..data_cache import client_data
+    from ..run.client import Client, make_client
+    from ..run.data_cache import client_data
     from ..model import build_model
     from ..partition import client_shares, names_from_config, select, uses_partitioner
     from . import quiet_progress_bars, wire
@@ -163,7 +163,7 @@ def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]
         # every client the process serves (a Simulation Engine actor serves many), never sent
         return _cached(repr(("federation", cfg.data, data_dir)), lambda: client_shares(cfg, data_dir))
 
-    def load():  # client k's data, tokenized once per host (data_cache.py): on a hit nothing is read
+    def load():  # client k's data, tokenized once per host (run/data_cache.py): on a hit nothing is read
         share = (lambda: select(federation(), [k])[0]) if uses_partitioner(cfg) else None  # else its category alone
         share, encoded = client_data(cfg, lm.tokenizer, k, data_dir, share)
         return make_client(k, share, lm.tokenizer, cfg, state={}, encoded=encoded)
@@ -251,7 +251,7 @@ def train(msg: Message, context: Context) -> Message:
     """One round. Under SecAgg+ the message and the reply have Flower's legacy FitIns/FitRes
     layout (privacy.py): the same round, with w^r from ``fitins.parameters`` and the upload
     (masked by `secaggplus_mod` after this returns) in ``fitres.parameters``."""
-    from ..client import train_client
+    from ..run.client import train_client
     from . import privacy, wire
 
     tic = time.perf_counter()
@@ -293,8 +293,9 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Score the personalized model (the global one if this client never trained), the global
     model and, when asked, the base model on the first `limit` test examples (0: all)."""
-    from .. import checkpoint as ckpt, export
-    from ..client import score_client
+    from .. import checkpoint as ckpt
+    from ..run import export
+    from ..run.client import score_client
     from . import wire
 
     cfg, conf, lm, client, method, folder = _setup(msg, context)

@@ -1,6 +1,6 @@
 """The Flower ServerApp: the rounds of one run, written as ``pflalign run`` writes them.
 
-Reads its run config (`wire.RUN_DEFAULTS`), builds the `pflalign.server.Server`
+Reads its run config (`wire.RUN_DEFAULTS`), builds the `pflalign.run.server.Server`
 from w^0 (the seeded LoRA initialisation, as the in-process engine does) and
 a `MethodStrategy` around it, waits for the SuperNodes of the first round's
 clients (all N with participation 1; the seeded sample otherwise), then runs
@@ -10,7 +10,7 @@ the sample of ``eval.clients``) scores its personalized, the global and the
 base model on its own test split.
 
 The run directory (``out``, on the ServerApp's host) is written by the same
-`pflalign.lifecycle.Recorder` as ``pflalign run``'s (``config.json``,
+`pflalign.run.lifecycle.Recorder` as ``pflalign run``'s (``config.json``,
 ``metrics.jsonl``, ``checkpoint.pt``, ``results.json``), so ``pflalign
 report`` reads Flower runs too. Differences:
 the checkpoint has no client states (they stay on the clients' hosts) and
@@ -35,12 +35,13 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from .. import checkpoint as ckpt, export, run_dir, tensorboard
+from .. import checkpoint as ckpt, tensorboard
+from ..run import export, run_dir
 from ..config import make_method
 from ..errors import UserError
-from ..lifecycle import LossWatch, Recorder, client_row, results_summary
+from ..run.lifecycle import LossWatch, Recorder, client_row, results_summary
 from ..model import build_model
-from ..server import RoundRecord, Server
+from ..run.server import RoundRecord, Server
 from . import privacy as priv, quiet_progress_bars, wire
 from .grid import prompt
 from .strategy import MethodStrategy, RoundFailed

@@ -1,6 +1,6 @@
 """`MethodStrategy`: a Flower strategy that runs one of our methods' server rule.
 
-It runs the in-process engine's server: a `pflalign.server.Server` (the
+It runs the in-process engine's server: a `pflalign.run.server.Server` (the
 method, the global adapter w^r and the method's server state: SCAFFOLD's c,
 FedDyn's h, FedOpt's moments), which the ServerApp builds, restores and hands
 it; besides it holds what only a Flower run has: per client, how many rounds
@@ -49,12 +49,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from ..client import ClientRound
+from ..run.client import ClientRound
 from ..config import RunConfig
 from ..errors import TrainingDiverged, UserError
-from ..lifecycle import eval_clients, sample_clients
+from ..run.lifecycle import eval_clients, sample_clients
 from ..params import Params
-from ..server import RoundPlan, RoundRecord, Server
+from ..run.server import RoundPlan, RoundRecord, Server
 from . import privacy as priv, validate, wire
 
 log = logging.getLogger("flwr.pflalign")

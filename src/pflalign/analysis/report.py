@@ -4,8 +4,8 @@ Scans a folder for finished runs (a directory with `results.json`,
 `metrics.jsonl` and `config.json`), groups them by dataset and method, and
 computes per dataset a table shaped like the paper's Table 1 (`table.md`,
 `table.csv`), paired differences, training dynamics and their markdown;
-`report_md.write_report` puts them, the figures (`figures.py`) and the
-claims (`claims.py`) into one `report.md`: figures and claims read this
+`report_md.write_report` puts them, the figures (`analysis/figures.py`) and the
+claims (`analysis/claims.py`) into one `report.md`: figures and claims read this
 module's rows, and it imports neither (tests/test_layers.py). A run's dataset is the folder name in a sweep's layout
 (<dataset>/<method>/seed<k>/), else its `results.json` dataset.
 
@@ -27,11 +27,11 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import checkpoint as ckpt
-from .errors import UserError
-from .data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
-from .methods import FAMILIES, family, label, method_order  # noqa: F401  (FAMILIES: the table's row groups)
-from .run_stats import DIVERGED_LOSS_RATIO, distribution, start_loss
+from .. import checkpoint as ckpt
+from ..errors import UserError
+from ..data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
+from ..methods import FAMILIES, family, label, method_order  # noqa: F401  (FAMILIES: the table's row groups)
+from ..run_stats import DIVERGED_LOSS_RATIO, distribution, start_loss
 
 
 # ---- statistics -------------------------------------------------------------
@@ -313,7 +313,7 @@ def with_exact_match(run: Run) -> Run:
     predates it (in memory only; a run without readable predictions keeps None)."""
     if "avg_exact_match_personalized" in run.results:
         return run
-    from .evaluate import add_exact_match
+    from ..evaluate import add_exact_match
 
     rows = predictions(run)
     if rows:
@@ -461,7 +461,7 @@ def top_answer(answers: list[str]) -> tuple[str, float]:
     """The most common answer (after `evaluate.normalize_answer`; ties: the first seen) and its share."""
     from collections import Counter
 
-    from .evaluate import normalize_answer
+    from ..evaluate import normalize_answer
 
     counts = Counter(normalize_answer(a) for a in answers)
     answer, n = counts.most_common(1)[0]
@@ -476,7 +476,7 @@ def answers_markdown(runs: list[Run], tasks: list[str]) -> str | None:
     """Per client, the share of the test examples that got the personalized model's most common
     answer (mean over seeds), under a first row with the most common reference and the ROUGE-L
     ×100 of giving it to every example. None when no run has predictions."""
-    from .evaluate import rouge_l
+    from ..evaluate import rouge_l
 
     rows = {r.path: predictions(r) for r in runs}
     if not any(rows.values()):

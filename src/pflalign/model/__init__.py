@@ -12,7 +12,7 @@ model is only its LoRA tensors, copied in and out of the live adapter
 
 A GGUF model (the embedded one too) is de-quantized once per host into a
 safetensors copy in the model cache and memory-mapped from there on every
-later load (`pflalign.model_cache`: about 1 s instead of 30 s, the same bits);
+later load (`pflalign.model.model_cache`: about 1 s instead of 30 s, the same bits);
 the process that trains copies the weights into its own memory (`hold_in_memory`).
 """
 
@@ -34,14 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from .attention import use_segment_attention
-from .settings import LoraSettings  # noqa: F401  (its former home; `FederatedLM.build` takes one)
+from ..settings import LoraSettings  # noqa: F401  (its former home; `FederatedLM.build` takes one)
 from .lora_mlp import use_fused_lora_mlp
 from .model_cache import load_dequantized
 from .rms_norm import use_fused_rms_norm
-from .errors import UserError
+from ..errors import UserError
 from .head_loss import head_cross_entropy_sum
-from .params import Params, clone
-from .prompts import IGNORE
+from ..params import Params, clone
+from ..prompts import IGNORE
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ def load_base_model(spec: str, dtype: torch.dtype = torch.float32, in_memory: bo
         if spec.endswith(".gguf"):
             if not path.is_file():
                 raise UserError(f"model file not found: {spec}")
-            # de-quantized once per host into the cache, memory-mapped from there (model_cache.py)
+            # de-quantized once per host into the cache, memory-mapped from there (model/model_cache.py)
             model, tok = load_dequantized(path, dtype, cache_dir() / "dequantized")
         else:
             if path.exists() and not path.is_dir():
@@ -282,7 +282,7 @@ class FederatedLM:
     model: torch.nn.Module
     tokenizer: object
     lora: dict[str, torch.nn.Parameter] = field(default_factory=dict)
-    segment_attention: bool = False  # packed rows attend per example (attention.py), not under a mask
+    segment_attention: bool = False  # packed rows attend per example (model/attention.py), not under a mask
     fused_mlps: int = 0  # MLPs whose LoRA projections train through lora_mlp.LoraSwiGLU
     fused_norms: int = 0  # RMSNorms that train through rms_norm.RMSNorm
 
@@ -315,7 +315,7 @@ class FederatedLM:
                 raise UserError(f"lora.target_modules {lora.target_modules!r}: {_first_line(exc)}") from None
         model.to(device).eval()
         # On CPU a row longer than the packing size is one long example (Dolly's reach 1024
-        # tokens); its MLPs recompute g and u rather than keep them (lora_mlp.py), which
+        # tokens); its MLPs recompute g and u rather than keep them (model/lora_mlp.py), which
         # bounds the peak memory at little cost (a GPU trains padded batches and has the memory).
         fused = use_fused_lora_mlp(model, recompute_above=PACK_TOKENS if torch.device(device).type == "cpu" else None)
         norms = use_fused_rms_norm(model)
@@ -351,13 +351,13 @@ class FederatedLM:
 
         * packed_rows: examples without padding packed into rows (`loss_and_grads`): CPU only; a
           GPU trains the padded batch in one call, which keeps it busy;
-        * segment_attention: per-example SDPA inside packed rows (attention.py): with packed rows
+        * segment_attention: per-example SDPA inside packed rows (model/attention.py): with packed rows
           only; padded batches and generation run transformers' SDPA unchanged;
         * fused_lora_mlp: the SwiGLU MLP with its LoRA projections as one autograd function
-          (lora_mlp.py): any device, when input, adapter and base share a dtype (float32 runs);
+          (model/lora_mlp.py): any device, when input, adapter and base share a dtype (float32 runs);
         * mlp_recompute: that function recomputing g and u for rows over PACK_TOKENS: CPU only;
-        * fused_rms_norm: RMSNorm with its closed-form gradient (rms_norm.py): float32 only;
-        * head_loss: the frozen LM head fused with the loss in chunks (head_loss.py): any device
+        * fused_rms_norm: RMSNorm with its closed-form gradient (model/rms_norm.py): float32 only;
+        * head_loss: the frozen LM head fused with the loss in chunks (model/head_loss.py): any device
           and dtype (bf16 logits are accumulated in float32).
         """
         kind = torch.device(device if device is not None else self.device).type
@@ -427,7 +427,7 @@ class FederatedLM:
         (`unpadded` None or True) no work is spent on pad tokens: the examples,
         cut to their true lengths, are packed into rows of at most
         `pack_tokens` tokens (a longer example gets a row of its own) where
-        per-example attention (attention.py; a block-diagonal causal mask
+        per-example attention (model/attention.py; a block-diagonal causal mask
         for models that do not run SDPA) and restarted positions keep each
         example to itself; each row's summed loss is divided by the batch's count of
         response tokens and the gradients accumulate. This is the padded
@@ -476,7 +476,7 @@ class FederatedLM:
         inputs, targets = hidden[:, :-1][keep], labels[:, 1:][keep]
         head = base.get_output_embeddings()
         if type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad:
-            # frozen head: logits never kept for backward (head_loss.py)
+            # frozen head: logits never kept for backward (model/head_loss.py)
             return head_cross_entropy_sum(inputs, head.weight, targets), len(targets)
         return F.cross_entropy(head(inputs).float(), targets, reduction="sum"), len(targets)
 
@@ -488,7 +488,7 @@ def pack_rows(batch: dict[str, torch.Tensor], max_tokens: int, dtype: torch.dtyp
 
     A row of several examples carries positions that restart at 0 per example
     and either the lengths of its examples (`segments`: for the segment-aware
-    attention of attention.py) or a block-diagonal causal mask (additive
+    attention of model/attention.py) or a block-diagonal causal mask (additive
     float, 4-D, which both sdpa and eager attention accept). A row of one
     example carries neither, so attention takes its plain causal path.
     """

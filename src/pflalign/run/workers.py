@@ -20,7 +20,7 @@ Two runners with one interface, `map(jobs, shared, costs)` → the jobs' results
 job order: `Inline` runs them in the engine's own process on its model (workers = 1,
 the engine's threads); `Processes` spawns the workers once and keeps them for the run.
 A worker holds its own copy of the model (the base weights are memory-mapped from
-the same file, model_cache.py), and at most 2 × ``workers`` finished replies wait
+the same file, model/model_cache.py), and at most 2 × ``workers`` finished replies wait
 for their turn in the engine (memory still flat in the number of clients per round).
 """
 
@@ -45,9 +45,9 @@ import torch
 from . import allocator
 from .client import ClientRound, client_lr, local_round, score_client
 from .client_store import ClientRecord, ClientStore
-from .data import Example
-from .errors import OutOfMemory, TrainingDiverged, UserError
-from .methods.base import Method, Params
+from ..data import Example
+from ..errors import OutOfMemory, TrainingDiverged, UserError
+from ..methods.base import Method, Params
 
 log = logging.getLogger(__name__)
 
@@ -197,17 +197,17 @@ class Processes:
         self.workers = workers
         self.conns, self.procs = [], []
         self.broken = False
-        # a fresh interpreter each (`python -m pflalign.workers`), not multiprocessing's spawn, which
+        # a fresh interpreter each (`python -m pflalign.run.workers`), not multiprocessing's spawn, which
         # re-runs the caller's main script in the child: a script without a __main__ guard would
         # start its run again there. Never fork: this process has run torch's thread pools.
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        package_root = str(Path(__file__).resolve().parents[1])  # this pflalign, not another one installed
+        package_root = str(Path(__file__).resolve().parents[2])  # this pflalign, not another one installed
         env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])
         self.env = env
         for _ in range(workers):
             child_reads, parent_writes = os.pipe()
             parent_reads, child_writes = os.pipe()
-            proc = subprocess.Popen([sys.executable, "-m", "pflalign.workers", str(child_reads), str(child_writes),
+            proc = subprocess.Popen([sys.executable, "-m", "pflalign.run.workers", str(child_reads), str(child_writes),
                                      str(os.getpid())],
                                     pass_fds=(child_reads, child_writes), env=env, stdin=subprocess.DEVNULL)
             os.close(child_reads), os.close(child_writes)
@@ -355,8 +355,8 @@ def _worker_main(read_fd: int, write_fd: int) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from transformers.utils import logging as hf_logging
 
-    from .config import build_config, make_method
-    from .model import build_model
+    from ..config import build_config, make_method
+    from ..model import build_model
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -432,9 +432,9 @@ def check_workers(workers: int, device: str) -> None:
         raise UserError(f"--workers {workers} runs clients in CPU processes; on {device} use --workers 1")
 
 
-if __name__ == "__main__":  # a worker process (`Processes` starts it): python -m pflalign.workers READ WRITE PARENT
+if __name__ == "__main__":  # a worker process (`Processes` starts it): python -m pflalign.run.workers READ WRITE PARENT
     _die_with_parent(int(sys.argv[3]))
-    # through the module's own name: the jobs are unpickled as pflalign.workers' classes, not __main__'s
-    from pflalign.workers import _worker_main as main
+    # through the module's own name: the jobs are unpickled as pflalign.run.workers' classes, not __main__'s
+    from pflalign.run.workers import _worker_main as main
 
     main(int(sys.argv[1]), int(sys.argv[2]))

@@ -22,7 +22,7 @@ loads alone, so ``peft.AutoPeftModelForCausalLM.from_pretrained(folder)`` works
 without pflalign (`base_model`): a hub id or model folder as given; the folder of
 ``pflalign export --base-copy`` when given; for a GGUF model (the embedded
 ``smollm2-135m`` too) its de-quantized copy in transformers format that the model
-cache holds (`pflalign.model_cache`: the weights are the GGUF's, e.g. Q4_1,
+cache holds (`pflalign.model.model_cache`: the weights are the GGUF's, e.g. Q4_1,
 de-quantized, not the original release's); for ``tiny-llama`` / ``tiny-opt`` the
 random test model saved once under ``$PFLALIGN_CACHE/base/``. Each folder's
 ``README.md`` (a model card, as PEFT's ``save_pretrained`` writes) says which base,
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import UserError
+from ..errors import UserError
 
 ADAPTERS = "adapters"
 GLOBAL = "global"
@@ -91,7 +91,7 @@ def base_model(spec: str, dtype: str = "float32", copy: Path | None = None) -> t
     """(``base_model_name_or_path``, a sentence saying what it is) for the adapters of a run on
     `spec` in `dtype`: a location that ``AutoModelForCausalLM.from_pretrained`` loads alone (see the
     module docstring); `copy`: a folder written by `write_base_copy`."""
-    from .model import EMBEDDED_MODELS, TINY_MODELS, cache_dir, embedded_model_path
+    from ..model import EMBEDDED_MODELS, TINY_MODELS, cache_dir, embedded_model_path
 
     if copy is not None:
         return str(Path(copy).expanduser().resolve()), f"a copy of {spec} in transformers format ({_what(spec)})"
@@ -100,7 +100,7 @@ def base_model(spec: str, dtype: str = "float32", copy: Path | None = None) -> t
         return str(folder), f"{spec}, pflalign's randomly initialised test model (seed 0), saved once in the cache"
     gguf = embedded_model_path(spec) if spec in EMBEDDED_MODELS else Path(spec).expanduser()
     if spec.endswith(".gguf") or spec in EMBEDDED_MODELS:
-        from .model_cache import cached_folder
+        from ..model.model_cache import cached_folder
 
         folder = cached_folder(gguf, getattr(torch, dtype), cache_dir() / "dequantized")
         if folder is not None:
@@ -114,7 +114,7 @@ def base_model(spec: str, dtype: str = "float32", copy: Path | None = None) -> t
 
 def _what(spec: str) -> str:
     """The base's weights in words (a GGUF's are de-quantized: not the original release's)."""
-    from .model import EMBEDDED_MODELS
+    from ..model import EMBEDDED_MODELS
 
     if spec in EMBEDDED_MODELS:
         name = Path(EMBEDDED_MODELS[spec].member).name
@@ -201,7 +201,7 @@ def model_card(cfg, name: str, base: tuple[str, str], results: dict | None = Non
     the client's scores (`results`: results.json's dict, when the run was scored)."""
     import dataclasses
 
-    from .config import method_args
+    from ..config import method_args
 
     location, what = base
     d = cfg.data
@@ -263,7 +263,7 @@ def run_adapters(cfg, payload: dict, clients: list[str], out: Path | None = None
     client's file when its adapter is asked for: writing them one by one holds one at a time,
     however many clients the run has."""
     from .client_store import client_records
-    from .config import make_method
+    from ..config import make_method
 
     global_params = payload["global"]
     if "clients" not in payload and "client_records" not in payload:
@@ -308,7 +308,7 @@ def _replace_folder(folder: Path, write) -> Path:
     """`write(tmp)` fills a hidden folder beside `folder`, which then takes its place: an
     interruption (Ctrl-C, a crash, a full disk) leaves the old folder or the new one, never a
     half-written one that looks complete. A full disk is a `DiskFull` naming the file."""
-    from . import checkpoint as ckpt
+    from .. import checkpoint as ckpt
 
     folder = Path(folder)
     tmp, old = folder.with_name(f".{folder.name}.tmp"), folder.with_name(f".{folder.name}.old")
@@ -337,7 +337,7 @@ def write_adapters(folder: Path, cfg, adapters: dict[str, dict], info: dict | No
     """Each of `adapters` ({name: params}, "global" among them) as ``folder/<name>/`` with its model
     card (`results`: the scores for it), replacing what was there: written beside it first, so a
     crash leaves the old folder or the new one."""
-    from .config import to_dict
+    from ..config import to_dict
 
     folder = Path(folder)
     written, subs = {}, folder_names(adapters)
@@ -366,8 +366,8 @@ def write_run_adapters(out: Path, cfg, adapters: Mapping[str, dict], results: di
 def client_names(out: Path, cfg) -> list[str]:
     """The run's clients in order: from results.json when the run finished, else as the run named
     them (`partition.client_names`: from the config, the dataset's default clients, or its data)."""
-    from . import checkpoint as ckpt
-    from .partition import client_names as configured_names
+    from .. import checkpoint as ckpt
+    from ..partition import client_names as configured_names
 
     results = Path(out) / ckpt.RESULTS
     if results.exists():
@@ -377,8 +377,8 @@ def client_names(out: Path, cfg) -> list[str]:
 
 def load_run(out: Path):
     """(config, checkpoint payload, client names) of a finished or checkpointed run."""
-    from . import checkpoint as ckpt
-    from .config import build_config
+    from .. import checkpoint as ckpt
+    from ..config import build_config
 
     out = Path(out)
     if not (out / ckpt.CONFIG).exists():
@@ -398,7 +398,7 @@ def write_merged(folder: Path, model_spec: str, adapter_folder: Path, dtype: tor
 
     from peft import PeftModel
 
-    from .model import load_base_model
+    from ..model import load_base_model
 
     base, tokenizer = load_base_model(model_spec, dtype)
     with warnings.catch_warnings():
@@ -418,7 +418,7 @@ def write_base_copy(model_spec: str, folder: Path) -> Path:
     and renamed into place, so a folder with a config.json is complete."""
     import tempfile
 
-    from .model import load_base_model
+    from ..model import load_base_model
 
     folder = Path(folder).expanduser()
     if (folder / "config.json").exists():
@@ -463,8 +463,8 @@ def export_run(run_dir: Path, out: Path, client: str | None = None, merged: bool
     as the adapters' base. Returns {name: folder}. `out` must be new, empty or hold only earlier
     exports (as ``pflalign run`` refuses a foreign ``--out``); each folder is written beside its
     place and renamed into it (`_replace_folder`)."""
-    from . import checkpoint as ckpt
-    from .config import to_dict
+    from .. import checkpoint as ckpt
+    from ..config import to_dict
     from .run_dir import check_out
 
     out = Path(out)

@@ -42,7 +42,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 
 SETTING = "PFLALIGN_ALLOCATOR"  # "mimalloc" (the default) or "system"
 _RESTORE = "_PFLALIGN_LD_PRELOAD"

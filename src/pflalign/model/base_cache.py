@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from . import checkpoint as ckpt
+from .. import checkpoint as ckpt
 
 
 # Subpackages generation does not run through: the data (the prompts' token ids are in the key),
@@ -35,14 +35,14 @@ NOT_DIGESTED = ("data", "methods", "flower")
 def digested_sources() -> list[Path]:
     """The modules `_package_source_digest` covers: every module of this package but those of
     `NOT_DIGESTED`, wherever it sits (the model, its kernels, evaluate, prompts, ...)."""
-    root = Path(__file__).parent
+    root = Path(__file__).parents[1]
     return sorted(p for p in root.rglob("*.py") if p.relative_to(root).parts[0] not in NOT_DIGESTED)
 
 
 @functools.cache  # read once per process: the source does not change under a running run
 def _package_source_digest() -> str:
     h = hashlib.sha256()
-    root = Path(__file__).parent
+    root = Path(__file__).parents[1]
     for path in digested_sources():  # the path from the package root: the bare name for a top-level module
         h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
@@ -77,7 +77,7 @@ def cache_key(lm, prompts: list[list[int]], max_new_tokens: int, batch_size: int
 def base_generations(lm, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
                      generate: Callable[[], list[str]]) -> list[str]:
     """The base model's generations for `prompts`: from the cache, else `generate()` (then cached)."""
-    from .model import cache_dir
+    from . import cache_dir
 
     path = cache_dir() / "base-eval" / f"{cache_key(lm, prompts, max_new_tokens, batch_size)}.json"
     try:

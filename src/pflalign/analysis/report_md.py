@@ -1,6 +1,6 @@
 """`pflalign report`'s report.md: per dataset the Table 1 layout, the distribution over clients,
 the figures, paired differences, training dynamics, the paper's claims (on request) and the run
-time, from the statistics `pflalign.report` computes. Above report, figures and claims, which
+time, from the statistics `pflalign.analysis.report` computes. Above report, figures and claims, which
 read report's rows and do not import each other back: no cycle (tests/test_layers.py).
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from .claims import claims_markdown
-from .errors import UserError
+from ..errors import UserError
 from .figures import write_figures
-from .data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
+from ..data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
 from .report import (DIVERGED_LOSS_RATIO, MAX_TABLE_CLIENTS, METRICS, MIN_SEEDS_TO_JUDGE, REFERENCE, _seed_note,
                      answers_markdown, paper_federation,
                      client_gsnr_markdown, cost_markdown, distribution_markdown, divergence_notes,
@@ -25,7 +25,7 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
     and paired differences show `metric` (rouge_l or exact_match); the figures are ROUGE-L.
     `paired_against`: the methods that each get a table of paired differences (that method minus
     each other one), each of them with a finished run under `root`; None: pFLAlign, where it ran.
-    `claims`: judge the paper's claims (`pflalign.claims`) under each dataset's tables, for the
+    `claims`: judge the paper's claims (`pflalign.analysis.claims`) under each dataset's tables, for the
     paper's federations (`paper_federation`); a dataset of other data gets a line saying why not."""
     if metric not in METRICS:
         raise UserError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")

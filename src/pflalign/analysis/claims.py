@@ -40,7 +40,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .methods import label
+from ..methods import label
 from .report import (GSNR_RISE_ROUND, MIN_SEEDS_TO_JUDGE, Paired, Row, Run, client_gsnr, paired_differences,
                      run_dynamics, summarize)
 

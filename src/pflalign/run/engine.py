@@ -6,10 +6,10 @@ method says, takes T local steps and sends a message, which joins the
 server's sums; the server aggregates. At the end every client is scored with
 its personalized model, the global model and the untrained base model. The
 engine knows nothing method-specific (that lives behind
-`pflalign.methods.base.Method`), nothing of a client's round (`pflalign.client`,
+`pflalign.methods.base.Method`), nothing of a client's round (`pflalign.run.client`,
 which the Flower ClientApp calls too), nothing of the server's rule
-(`pflalign.server.Server`, which the Flower strategy uses too) and nothing of
-the run folder (`pflalign.lifecycle.Recorder`, which the Flower ServerApp
+(`pflalign.run.server.Server`, which the Flower strategy uses too) and nothing of
+the run folder (`pflalign.run.lifecycle.Recorder`, which the Flower ServerApp
 uses too).
 """
 
@@ -24,18 +24,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import allocator, checkpoint as ckpt, export, run_dir, tensorboard
+from . import allocator, export, run_dir
+from .. import checkpoint as ckpt, tensorboard
 from .client import Client, draw_batches, make_client
 from .client_store import ClientStore
-from .config import RunConfig, make_method, to_dict
-from .settings import flat, merge
+from ..config import RunConfig, make_method, to_dict
+from ..settings import flat, merge
 from .data_cache import client_data
-from .errors import OutOfMemory, RunInterrupted, TrainingDiverged, UserError
-from .evaluate import add_exact_match
+from ..errors import OutOfMemory, RunInterrupted, TrainingDiverged, UserError
+from ..evaluate import add_exact_match
 from .lifecycle import LossWatch, Recorder, client_row, eval_clients, results_summary, sample_clients
-from .methods.base import Method, Params, clone
-from .model import build_model, resolve_device
-from .partition import client_shares_described
+from ..methods.base import Method, Params, clone
+from ..model import build_model, resolve_device
+from ..partition import client_shares_described
 from .server import RoundRecord, Server
 from .workers import (ClientSide, Inline, Processes, ScoreJob, TrainJob, bound_workers, check_workers,
                       personalized_adapter)
@@ -47,12 +48,12 @@ class Federation:
     """Everything a run needs, built once: model, method, clients, global adapter.
 
     Per-client tensors (the method's state, the personalized adapter) are not kept here: they
-    live in ``<out>/clients/`` (`pflalign.client_store`), are loaded when a client is sampled
+    live in ``<out>/clients/`` (`pflalign.run.client_store`), are loaded when a client is sampled
     or scored and dropped after, so memory does not grow with the number of clients. A client
     is created (its state from w^0) at its first round and tokenized when first used.
 
     `workers` > 1: the clients of a round train, and the clients are scored, in that many
-    processes of one thread each (`pflalign.workers`), with a one-thread run's results.
+    processes of one thread each (`pflalign.run.workers`), with a one-thread run's results.
     """
 
     def __init__(self, cfg: RunConfig, progress: bool = True, out: Path | str | None = None, workers: int = 1):
@@ -71,7 +72,7 @@ class Federation:
         self.server = Server(self.method, self.lm.get_lora(), len(shares))  # w^0: the seeded LoRA initialisation
         self.initial_params = clone(self.global_params)  # w^0: a client's state starts from it (FedSA-LoRA's B^0)
         self.in_round: int | None = None  # the round being trained (an interrupt's message)
-        # today's federations: token ids from the host's cache (data_cache.py) on first use, tokenized on a miss
+        # today's federations: token ids from the host's cache (run/data_cache.py) on first use, tokenized on a miss
         cached = self.data_info is None
         self.clients = [make_client(k, share, self.lm.tokenizer, cfg, None,
                                     (lambda k=k, share=share: client_data(cfg, self.lm.tokenizer, k, share=share)[1])
@@ -257,7 +258,7 @@ class Federation:
     def evaluate(self) -> tuple[dict, list[dict]]:
         cfg = self.cfg
         ids = self.eval_ids
-        # the base model's generations are cached across runs (base_cache.py): about 0 s then
+        # the base model's generations are cached across runs (model/base_cache.py): about 0 s then
         scored = self._score(["personalized", "global", "base"] if cfg.eval.base_model else ["personalized", "global"])
         none = [None] * len(ids)
         personal_scores, personal_out, _ = scored["personalized"]
@@ -306,7 +307,7 @@ class _Adapters(Mapping):
 def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
         stop_after: int | None = None, progress: bool = True, workers: int = 1) -> dict | None:
     """Run (or resume) one federated job into `out`; returns results, or None when stopped early.
-    `workers` > 1: clients train and are scored in that many one-thread processes (`pflalign.workers`)."""
+    `workers` > 1: clients train and are scored in that many one-thread processes (`pflalign.run.workers`)."""
     rec = Recorder(out, resume, overwrite)
     cfg = rec.config(cfg)
     fed = Federation(cfg, progress=progress, out=rec.out, workers=workers)
@@ -336,13 +337,13 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         train_seconds, tic = time.perf_counter() - tic, time.perf_counter()
         results, predictions = fed.evaluate()
         add_exact_match(results, predictions)  # beside ROUGE-L, from the same outputs
-        # the models as evaluated, as PEFT adapter folders (export.py), before results.json marks the run finished
+        # the models as evaluated, as PEFT adapter folders (run/export.py), before results.json marks the run finished
         try:
             export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated(), results)
         except ckpt.DiskFull as exc:  # the checkpoint is whole: a resume scores the clients again and writes them
             raise ckpt.DiskFull(f"{exc}; the checkpoint after round {rec.saved[0]} is intact; free some space, "
                                 "then continue with --resume (same --out)") from None
-        # memory_allocator: "mimalloc" under the pflalign command (allocator.py); the processes and
+        # memory_allocator: "mimalloc" under the pflalign command (run/allocator.py); the processes and
         # threads that computed it (the thread count decides the floating-point sums' last bits)
         return rec.finish(results, train_seconds, time.perf_counter() - tic, predictions,
                           memory_allocator=allocator.active(), workers=fed.workers,
@@ -368,9 +369,9 @@ def rescored_config(source: Path, overrides: dict) -> RunConfig:
     """A finished run's config with `overrides` that change only what is evaluated: ``eval.*`` keys
     and the method's evaluation arguments (`Method.evaluation_args`, e.g. which model is the
     personalized one); anything that would have changed the training is refused."""
-    from .config import build_config
+    from ..config import build_config
     from .lifecycle import saved_config
-    from .methods import method_class
+    from ..methods import method_class
 
     saved = to_dict(saved_config(source))
     cfg = build_config(None, merge(saved, overrides))
@@ -395,7 +396,7 @@ def rescore(source: Path | str, out: Path | str, overrides: dict, overwrite: boo
     source's final checkpoint and client files are read, never written; the models are the same
     tensors, so scores that the change does not touch (the global model's) come out equal."""
     source, out = Path(source), Path(out)
-    from . import checkpoint as ckpt
+    from .. import checkpoint as ckpt
 
     if not (source / ckpt.RESULTS).exists() or not ckpt.has_run_checkpoint(source):
         raise UserError(f"{source} is not a finished run with its checkpoint (rescore reads the models "

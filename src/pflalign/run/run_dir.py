@@ -28,14 +28,14 @@ import os
 import shutil
 from pathlib import Path
 
-from . import checkpoint as ckpt
-from .errors import UserError
+from .. import checkpoint as ckpt
+from ..errors import UserError
 
 log = logging.getLogger(__name__)
 
 LOCK = ".pflalign.lock"
 ASIDE = ".pflalign-replaced"
-# "clients": the in-process engine's per-client files (client_store.py), named by the checkpoints:
+# "clients": the in-process engine's per-client files (run/client_store.py), named by the checkpoints:
 # set aside and restored with them
 RUN_FILES = (ckpt.RESULTS, ckpt.METRICS, ckpt.PREDICTIONS, ckpt.CONFIG, ckpt.CHECKPOINT, ckpt.PREVIOUS,
              ckpt.MANIFEST, "clients")

@@ -36,12 +36,12 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from . import checkpoint as ckpt
-from .data import Example
-from .data.registry import DATASETS
-from .settings import RunConfig
-from .partition import ClientShare, client_shares, uses_partitioner
-from .prompts import Encoded, encode_train
+from .. import checkpoint as ckpt
+from ..data import Example
+from ..data.registry import DATASETS
+from ..settings import RunConfig
+from ..partition import ClientShare, client_shares, uses_partitioner
+from ..prompts import Encoded, encode_train
 
 log = logging.getLogger(__name__)
 FORMAT = 1  # the entry's layout; bump to invalidate every entry
@@ -51,7 +51,7 @@ FORMAT = 1  # the entry's layout; bump to invalidate every entry
 def package_source_digest() -> str:
     """SHA-256 of every module of this package (a change of a loader or of the prompt format
     must not reuse old entries)."""
-    root = Path(__file__).parent
+    root = Path(__file__).parents[1]
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
@@ -118,7 +118,7 @@ def file_sha256(path: Path) -> str:
 
 
 def entry_path(key: dict) -> Path:
-    from .model import cache_dir
+    from ..model import cache_dir
 
     return cache_dir() / "tokenized" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".json")
 

@@ -1,4 +1,4 @@
-"""One run's folder, shared by both engines: the in-process one (`pflalign.engine`)
+"""One run's folder, shared by both engines: the in-process one (`pflalign.run.engine`)
 and the Flower ServerApp (`pflalign.flower.server_app`).
 
 A run folder holds ``config.json`` (the resolved config), ``metrics.jsonl``
@@ -8,7 +8,7 @@ presence means "finished". `prepare_run_dir` checks what a folder holds
 before a run starts; a `Recorder` writes everything there: the config, the
 metrics lines, the checkpoints and ``results.json``. It drives nothing: each
 engine owns its round loop and hands the Recorder what to write
-(`pflalign.server.RoundRecord` for a round's lines). `LossWatch` warns when a
+(`pflalign.run.server.RoundRecord` for a round's lines). `LossWatch` warns when a
 run diverges.
 """
 
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import checkpoint as ckpt
-from .config import RunConfig, load_saved_config, to_dict
-from .errors import UserError
-from .run_stats import DIVERGED_LOSS_RATIO, distribution, start_loss  # noqa: F401  (their former home)
+from .. import checkpoint as ckpt
+from ..config import RunConfig, load_saved_config, to_dict
+from ..errors import UserError
+from ..run_stats import DIVERGED_LOSS_RATIO, distribution, start_loss  # noqa: F401  (their former home)
 
 if TYPE_CHECKING:  # types only: the run's folder needs no client or server code (tests/test_layers.py)
     from .server import RoundRecord

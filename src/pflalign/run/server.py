@@ -9,7 +9,7 @@ w^r and the method's server state (SCAFFOLD's c, FedDyn's h, FedOpt's moments). 
         plan.add(i, message)
     record = server.finish_round(plan, results)     # w^{r+1} and what the run folder records of the round
 
-The in-process engine (`pflalign.engine.Federation`) and the Flower strategy
+The in-process engine (`pflalign.run.engine.Federation`) and the Flower strategy
 (`pflalign.flower.strategy.MethodStrategy`) both run their rounds through it, so a third engine
 would too; `state_dict` / `load_state_dict` are the checkpoint's ``global`` and ``server_state``.
 Like torch.optim's optimizers (`Optimizer.step`, `state_dict`), the server state changes only in
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .methods.base import Aggregation, Message, Method, Params, RoundContext, State, data_weights
+from ..methods.base import Aggregation, Message, Method, Params, RoundContext, State, data_weights
 
 if TYPE_CHECKING:  # a type only: the server needs no client code (tests/test_layers.py)
     from .client import ClientRound

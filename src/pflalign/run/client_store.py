@@ -38,9 +38,9 @@ import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
-from . import checkpoint as ckpt
-from .errors import UserError
-from .params import Params, clone
+from .. import checkpoint as ckpt
+from ..errors import UserError
+from ..params import Params, clone
 
 log = logging.getLogger(__name__)
 

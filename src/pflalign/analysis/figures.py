@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from .methods import FAMILIES, family, label, method_order  # noqa: E402
+from ..methods import FAMILIES, family, label, method_order  # noqa: E402
 
 from .report import figure_client  # noqa: E402  (report does not import this module: report_md does)
 
