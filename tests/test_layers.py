@@ -186,6 +186,36 @@ def test_layer_table_names_only_existing_modules():
     assert not stale, f"layer table entries without a module: {stale}"
 
 
+# The folders follow the layers (README, Layout): what a folder's modules may not import, whatever
+# the module-level table above allows (run/run_dir.py sits low in the table, but analysis/ reads run
+# folders through checkpoint.py and run_stats.py, never through the run package).
+FOLDERS_MAY_NOT_IMPORT = {
+    "pflalign.model": ("pflalign.run", "pflalign.analysis", "pflalign.flower"),
+    "pflalign.run": ("pflalign.analysis", "pflalign.flower"),
+    "pflalign.analysis": ("pflalign.run", "pflalign.model", "pflalign.flower"),
+}
+
+
+def folder_crossings(g: dict[str, list[tuple[str, int]]]) -> list[str]:
+    found = []
+    for name, targets in g.items():
+        for folder, banned in FOLDERS_MAY_NOT_IMPORT.items():
+            if name == folder or name.startswith(folder + "."):
+                found += [f"{name}:{line} imports {t}" for t, line in targets
+                          if any(t == b or t.startswith(b + ".") for b in banned)]
+    return found
+
+
+def test_folders_import_only_the_folders_below_them():
+    problems = folder_crossings(graph())
+    assert not problems, "imports across the folders' order:\n" + "\n".join(problems)
+
+
+def test_folder_check_finds_a_crossing():
+    toy = {"pflalign.analysis.report": [("pflalign.run.run_dir", 3)], "pflalign.run.engine": [("pflalign.model", 1)]}
+    assert folder_crossings(toy) == ["pflalign.analysis.report:3 imports pflalign.run.run_dir"]
+
+
 # ---- the checker itself, on toy graphs: it can fail --------------------------------------
 def test_checker_finds_an_upward_import_and_a_hidden_cycle(tmp_path):
     g = {"pflalign.errors": [], "pflalign.settings": [("pflalign.methods", 3)], "pflalign.methods": [],
