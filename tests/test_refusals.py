@@ -327,3 +327,20 @@ def test_a_config_mistake_is_reported_before_torch_or_transformers_load(args, tm
     if "fedavgg" in args[-1]:
         assert "unknown method 'fedavgg' (did you mean 'fedavg'?)" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_method_typo_in_a_sweep_file_is_reported_before_torch_loads(tmp_path):
+    """Issue 42: `pflalign sweep` reads the sweep file's method names against settings.METHOD_NAMES
+    before checkpoint, the methods or the report (torch) are imported."""
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text('methods = ["fedavg", "pflalgn"]\nseeds = [0]\n'
+                     '[[datasets]]\nname = "synthetic"\nconfig = "demo"\n')
+    probe = ("import sys\nfrom pflalign.cli import main\ncode = main(sys.argv[1:])\n"
+             "print(code, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-c", probe, "sweep", "--config", str(sweep), "--out", str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False", "False"], (done.stdout, done.stderr)
+    assert "unknown method 'pflalgn' (did you mean 'pflalign'?)" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

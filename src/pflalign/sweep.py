@@ -49,12 +49,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from . import checkpoint as ckpt
 from .config import RunConfig, build_config, load_config_source, to_dict
-from .settings import flat, merge
+from .settings import check_method_name, flat, merge
 from .errors import TrainingDiverged, UserError
-from .methods import method_class
-from .analysis.report import read_results
+
+# checkpoint, the methods and the report load torch (seconds, more under load): each is imported
+# where it is used, after the sweep file's method names are checked, so a typo there is refused
+# at once (issue 42).
 
 # The paper's Table 1 (its LLaMA rows: both families of baselines and pFLAlign), plus
 # `local`, no collaboration at all, the first thing a pFL reader asks about.
@@ -113,6 +114,8 @@ class PlannedRun:
 
     def state(self) -> str:
         """'finished', 'unfinished' (a checkpoint to resume) or 'new'."""
+        from . import checkpoint as ckpt
+
         if self.done is not None or (self.out / ckpt.RESULTS).exists():
             return "finished"
         if ckpt.has_run_checkpoint(self.out):
@@ -122,6 +125,9 @@ class PlannedRun:
     def results(self) -> dict:
         """A finished run's results (`report.read_results`); a `UserError` saying what to do
         when they cannot be used (a truncated or damaged results.json, here or under --done)."""
+        from . import checkpoint as ckpt
+        from .analysis.report import read_results
+
         try:
             return read_results((self.done or self.out) / ckpt.RESULTS)
         except UserError as exc:
@@ -216,7 +222,8 @@ def plan_sweep(source: str, out: Path | str, overrides: dict | None = None,
                 spec[key] = {m: v for m, v in spec[key].items() if m in methods}
     methods = _list_of(spec, "methods", str)
     for m in methods:
-        method_class(m)  # unknown name → UserError with a suggestion
+        check_method_name(m)  # unknown name → UserError with a suggestion, before torch loads
+    from . import checkpoint as ckpt
     seeds = _list_of(spec, "seeds", int)
     datasets = spec.get("datasets")
     if not isinstance(datasets, list) or not datasets or not all(isinstance(d, dict) for d in datasets):
@@ -281,6 +288,8 @@ def _grid_points(grid: dict, method: str) -> list[tuple[str, dict, dict]]:
     table = _table(grid, method, "sweep config grid")
     if not table:
         return [(method, {}, {})]
+    from .methods import method_class
+
     arg_names = set(method_class(method).arg_names())
     for key, values in table.items():
         if not isinstance(values, list) or not values:
@@ -328,6 +337,8 @@ def _absolute_if_exists(path: str) -> str:
 
 def _check_same_config(run: PlannedRun) -> None:
     """Refuse to skip or resume a run directory that was made with other settings."""
+    from . import checkpoint as ckpt
+
     saved_path = (run.done or run.out) / ckpt.CONFIG
     if run.state() == "new" or not saved_path.exists():
         return
