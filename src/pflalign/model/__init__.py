@@ -80,6 +80,9 @@ def build_model(cfg, device: str | None = None, in_memory: bool = False) -> "Fed
     if device is None:
         device = resolve_device(cfg.device)
         check_dtype(cfg.dtype, device)
+    # on a GPU the move to the device already takes the weights out of the mapping: a CPU copy first
+    # would only cost time and a second host-memory copy of the base
+    in_memory = in_memory and torch.device(device).type == "cpu"
     return FederatedLM.build(cfg.model, cfg.lora, cfg.seed, dtype=getattr(torch, cfg.dtype), device=device,
                              in_memory=in_memory)
 
