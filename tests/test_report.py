@@ -482,3 +482,54 @@ def test_scatter_points_with_equal_values_stay_visible(tmp_path, monkeypatch):
     assert fedavg[1] == (60.0, 65.5) and fedprox[1] == (50.0, 55.0)  # alone: where they are
     radius = 0.012 * 65.5  # SPREAD_RADIUS × the largest value (2 coinciding points: no widening)
     assert fedavg[0] == pytest.approx((34.5, 34.5 + radius)) and fedprox[0] == pytest.approx((34.5, 34.5 - radius))
+
+
+def _row(method, avg, diverged=(), ci=None):
+    from pflalign.analysis.report import Row
+
+    return Row(method, [0], {"a": avg}, {"a": None}, avg, ci, list(diverged))
+
+
+def test_sweeps_group_rows_that_differ_in_one_setting_and_pick_the_best_by_the_rule():
+    """The rule issue 38 fixed before its validation grid: the highest Avg as shown (two
+    decimals) among rows that did not diverge, a tie to the smaller value."""
+    from pflalign.analysis.report import sweeps, sweeps_markdown
+
+    rows = [_row("fedavg", 50.0),  # no arguments: joins no sweep
+            _row("fedavg@lr=0.01", 40.004), _row("fedavg@lr=0.02", 39.996),  # 40.00 = 40.00: the smaller lr
+            _row("fedavg@lr=0.04", 38.0), _row("fedavg@lr=0.32", 90.0, diverged=[0]),  # diverged: never best
+            _row("pflalign@beta=0.5,lr=0.01", 30.0), _row("pflalign@beta=0.5,lr=0.04", 31.0),
+            _row("pflalign@beta=0.8,lr=0.04", 29.0),
+            _row("fedsa-lora@lr=0.1", 10.0, diverged=[0]), _row("fedsa-lora@lr=0.2", 5.0, diverged=[0]),
+            _row("fedprox@mu=0.1,personalized=x", 1.0), _row("fedprox@mu=0.1,personalized=y", 2.0)]  # not numeric
+    found = {(s.name, s.setting): s for s in sweeps(rows)}
+    assert sorted(found) == [("fedavg", "lr"), ("fedsa-lora", "lr"), ("pflalign@beta=0.5", "lr"),
+                             ("pflalign@lr=0.04", "beta")]
+    assert [v for v, _ in found["fedavg", "lr"].points] == [0.01, 0.02, 0.04, 0.32]
+    assert found["fedavg", "lr"].best() == 0.01
+    assert found["pflalign@beta=0.5", "lr"].best() == 0.04
+    assert found["pflalign@lr=0.04", "beta"].best() == 0.5
+    assert found["fedsa-lora", "lr"].best() is None  # every point diverged
+    assert sweeps([_row("x@lr=0.02", 40.0), _row("x@lr=0.01", 40.0)])[0].best() == 0.01  # exact tie
+    table = sweeps_markdown(sweeps(rows))  # one table per setting, the columns every value of it
+    assert "| Method | lr=0.01 | lr=0.02 | lr=0.04 | lr=0.1 | lr=0.2 | lr=0.32 | best lr |" in table
+    assert "| FedAvg | **40.00** | 40.00 | 38.00 | – | – | 90.00 † | 0.01 |" in table
+    assert "| FedSA-LoRA | – | – | – | 10.00 † | 5.00 † | – | – |" in table
+    assert "| Method | beta=0.5 | beta=0.8 | best beta |" in table
+    assert "| pFLAlign (lr=0.04) | **31.00** | 29.00 | 0.5 |" in table
+
+
+def test_report_shows_a_sweep_as_a_table_and_a_figure(sweep_dir, tmp_path):
+    import shutil
+
+    for name in ("fedavg@lr=0.01", "fedavg@lr=0.02"):
+        for seed in ("seed0", "seed1"):
+            shutil.copytree(sweep_dir / "synthetic" / "fedavg" / seed, tmp_path / "runs" / "synthetic" / name / seed)
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "r")]) == 0
+    report = (tmp_path / "r" / "report.md").read_text()
+    # equal runs at both values: a tie, so the smaller lr; the Avg is the fixture's FedAvg mean, 30
+    assert "| FedAvg | **30.00** | 30.00 | 0.01 |" in report
+    assert _png_size(tmp_path / "r" / "synthetic" / "sweeps.png")[0] > 300
+    assert main(["report", str(sweep_dir), "--out", str(tmp_path / "plain")]) == 0  # no sweep: no section, no note
+    assert "Sweeps" not in (tmp_path / "plain" / "report.md").read_text()
+    assert not (tmp_path / "plain" / "synthetic" / "sweeps.png").exists()

@@ -396,6 +396,75 @@ def write_table_csv(path: Path, tasks: list[str], rows: list[Row]) -> None:
                         len(row.seeds), " ".join(map(str, row.seeds)), " ".join(map(str, row.diverged_seeds))])
 
 
+# ---- sweeps: rows that differ in one setting -----------------------------------
+@dataclass
+class Sweep:
+    """A grid's line: the rows whose names differ in one numeric setting only
+    (`fedavg@lr=0.005`, `fedavg@lr=0.01`, ...), by value."""
+
+    name: str  # the rows' name without the swept setting: "fedavg", "pflalign@beta=0.5"
+    setting: str  # "lr"
+    points: list[tuple[float, Row]]
+
+    def best(self) -> float | None:
+        """The value with the highest Avg as the table shows it (two decimals) among the rows
+        none of whose seeds diverged; a tie goes to the smaller value (the rule issue 38 fixed
+        before its validation grid ran). None when every row diverged."""
+        kept = [(round(row.avg, 2), -value, value) for value, row in self.points if not row.diverged_seeds]
+        return max(kept)[2] if kept else None
+
+
+def _setting_value(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def sweeps(rows: list[Row]) -> list[Sweep]:
+    """Every numeric setting of a grid-point name (method@k=v,...) that takes two values or more
+    among rows alike in everything else; rows named without arguments join none."""
+    groups: dict[tuple[str, str], list[tuple[float, Row]]] = {}
+    for row in rows:
+        base, _, args = row.method.partition("@")
+        settings = dict(a.partition("=")[::2] for a in args.split(",")) if args else {}
+        for key, text in settings.items():
+            value = _setting_value(text)
+            if value is None:
+                continue
+            rest = ",".join(f"{k}={v}" for k, v in settings.items() if k != key)
+            groups.setdefault((base + (f"@{rest}" if rest else ""), key), []).append((value, row))
+    order = method_order(name for name, _ in groups)
+    return [Sweep(name, key, sorted(points, key=lambda p: p[0]))
+            for (name, key), points in sorted(groups.items(), key=lambda g: (order.index(g[0][0]), g[0][1]))
+            if len({v for v, _ in points}) >= 2]
+
+
+def sweeps_markdown(found: list[Sweep]) -> str:
+    """One table per swept setting: a row per sweep, its Avg at each value, and its best value."""
+    out = []
+    for setting in dict.fromkeys(s.setting for s in found):
+        mine = [s for s in found if s.setting == setting]
+        values = sorted({v for s in mine for v, _ in s.points})
+        lines = [f"| Method | " + " | ".join(f"{setting}={v:g}" for v in values) + f" | best {setting} |",
+                 "| :-- | " + " | ".join("--:" for _ in values) + " | --: |"]
+        for s in mine:
+            at = {v: row for v, row in s.points}
+            best = s.best()
+
+            def cell(v: float) -> str:
+                if v not in at:
+                    return "–"
+                text = f"{at[v].avg:.2f}" + (" †" if at[v].diverged_seeds else "")
+                return f"**{text}**" if v == best else text
+
+            lines.append(f"| {label(s.name)} | " + " | ".join(cell(v) for v in values)
+                         + f" | {'–' if best is None else f'{best:g}'} |")
+        out.append("\n".join(lines) + "\n")
+    return "\n".join(out)
+
+
 def _seed_note(rows: list[Row]) -> str:
     counts = {len(r.seeds) for r in rows}
     if len(counts) == 1:

@@ -16,7 +16,7 @@ from .report import (DIVERGED_LOSS_RATIO, MAX_TABLE_CLIENTS, METRICS, MIN_SEEDS_
                      answers_markdown, paper_federation,
                      client_gsnr_markdown, cost_markdown, distribution_markdown, divergence_notes,
                      dynamics_markdown, figure_client, find_runs, label, method_order, paired_differences,
-                     paired_markdown, summarize, table_markdown, with_exact_match, write_table_csv)
+                     paired_markdown, summarize, sweeps, sweeps_markdown, table_markdown, with_exact_match, write_table_csv)
 
 
 def write_report(root: Path | str, out: Path | str, client: str | None = None, metric: str = "rouge_l",
@@ -67,6 +67,12 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
                   f"seeds). Best per column **bold**, second <u>underlined</u>. "
                   f"[table.md]({dataset}/table.md) · [table.csv]({dataset}/table.csv)"
                   + (f" (per-client columns for all {len(tasks)} clients in table.csv)" if many else ""), "", table]
+        found = sweeps(rows)
+        if found:
+            lines += ["### Sweeps", "",
+                      f"Avg ({metric_name} ×100, mean over seeds) of the rows that differ in one setting only; "
+                      "bold: the best value, the highest Avg as shown among the rows none of whose seeds "
+                      "diverged, a tie going to the smaller value. † diverged.", "", sweeps_markdown(found)]
         lines += ["### Distribution over clients", "",
                   "ROUGE-L ×100 over each run's scored clients, mean over seeds: "
                   "plain mean, |D_k|-weighted mean (|D_k|: training examples) and the mean of the worst 10% "
