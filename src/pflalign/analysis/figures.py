@@ -64,6 +64,20 @@ def _moving_mean(xs: list, ys: list, window: int) -> tuple[list, list]:
     return xs[window - 1:], [statistics.fmean(ys[i - window + 1:i + 1]) for i in range(window - 1, len(ys))]
 
 
+def _finish(fig, axes, path: Path, title: str) -> bool:
+    """The first panel's legend on the right, the title over a lone panel (clear of the legend)
+    or over the figure; saved and closed."""
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=8.5, frameon=False)
+    if len(axes[0]) == 1:
+        axes[0][0].set_title(title, fontsize=11)
+    else:
+        fig.suptitle(title, fontsize=11)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
 def _line_figure(path: Path, by_method: dict, panels: list[tuple], xlabel: str, title: str,
                  log_y: bool = False, y_from_zero: bool = False) -> bool:
     """Curves of every method, one panel per (key, y label); a shared legend on the right.
@@ -90,15 +104,7 @@ def _line_figure(path: Path, by_method: dict, panels: list[tuple], xlabel: str, 
             ax.ticklabel_format(axis="y", useOffset=False)  # "+3.3e1" offsets are hard to read
         if y_from_zero:
             ax.set_ylim(0, max(1.0, *values) * 1.05)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=8.5, frameon=False)
-    if len(panels) == 1:
-        axes[0][0].set_title(title, fontsize=11)  # over the axes, clear of the legend
-    else:
-        fig.suptitle(title, fontsize=11)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return True
+    return _finish(fig, axes, path, title)
 
 
 def _by_method(runs: list[Run], curves: dict) -> dict:
@@ -260,16 +266,7 @@ def _sweeps_figure(path: Path, rows: list[Row]) -> bool:
         ax.set_xlabel(setting)
         ax.set_ylabel("Avg, personalized ROUGE-L (×100)")
         ax.grid(True, alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=8.5, frameon=False)
-    title = "Avg at each value (ring: the best; × at the foot: diverged)"
-    if len(settings) == 1:
-        axes[0][0].set_title(title, fontsize=11)  # over the axes, clear of the legend
-    else:
-        fig.suptitle(title, fontsize=11)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return True
+    return _finish(fig, axes, path, "Avg at each value (ring: the best; × at the foot: diverged)")
 
 
 def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Path,
