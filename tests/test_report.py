@@ -533,3 +533,26 @@ def test_report_shows_a_sweep_as_a_table_and_a_figure(sweep_dir, tmp_path):
     assert main(["report", str(sweep_dir), "--out", str(tmp_path / "plain")]) == 0  # no sweep: no section, no note
     assert "Sweeps" not in (tmp_path / "plain" / "report.md").read_text()
     assert not (tmp_path / "plain" / "synthetic" / "sweeps.png").exists()
+
+
+def test_one_report_of_several_folders_pairs_their_runs(sweep_dir, tmp_path, capsys):
+    """New runs beside committed ones (issue 38's beside Table 1's): one table, paired seed by seed;
+    a folder given twice counts once, and one method's seed in two folders is refused."""
+    import shutil
+
+    new = tmp_path / "new" / "synthetic" / "fedavg@lr=0.006"
+    for seed in ("seed0", "seed1"):
+        shutil.copytree(sweep_dir / "synthetic" / "fedavg" / seed, new / seed)
+    pflalign = sweep_dir / "synthetic" / "pflalign"  # a method's folder, not a sweep's: named by its results
+    assert main(["report", str(tmp_path / "new"), str(pflalign), str(pflalign), "--out", str(tmp_path / "r")]) == 0
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "4 finished runs under " in report
+    names = [line.split("|")[1].strip() for line in (tmp_path / "r" / "synthetic" / "table.md").read_text().splitlines()[2:]]
+    assert names == ["FedAvg (lr=0.006)", "pFLAlign"]
+    # pFLAlign − FedAvg seed by seed: Avg (25 − 25, 28 − 35) → −3.5; arithmetic (30 − 10, 34 − 20) → 17
+    assert "| FedAvg (lr=0.006) | 2 | +17.00 ± 38.12 | -24.00 ± 50.82 | -3.50 ± 44.47 |" in report
+    capsys.readouterr()
+    shutil.copytree(sweep_dir / "synthetic" / "pflalign" / "seed0", tmp_path / "other" / "synthetic" / "pflalign" / "seed0")
+    assert main(["report", str(pflalign), str(tmp_path / "other"), "--out", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "are both synthetic/pflalign/seed0; give the report one of them" in err

@@ -123,7 +123,7 @@ def cmd_report(args) -> int:
     from .analysis.report_md import write_report
 
     paired = tuple(args.paired) if args.paired else None
-    print(write_report(Path(args.dir), Path(args.out), client=args.client, metric=args.metric, paired_against=paired,
+    print(write_report([Path(d) for d in args.dir], Path(args.out), client=args.client, metric=args.metric, paired_against=paired,
                        claims=args.claims))
     return 0
 
@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     rescore.set_defaults(func=cmd_rescore)
 
     report = sub.add_parser("report", help="tables and figures from finished runs")
-    report.add_argument("dir", help="folder holding finished runs (e.g. a sweep's --out)")
+    report.add_argument("dir", nargs="+", help="folder holding finished runs (e.g. a sweep's --out); several: "
+                        "their runs in one report (a method's seed in two of them is refused)")
     report.add_argument("--out", required=True, help="folder for report.md, tables and figures")
     report.add_argument("--client", metavar="TASK", help="client of the GSNR and loss figures (default: structure_to_text, else the first)")
     report.add_argument("--metric", choices=("rouge_l", "exact_match"), default="rouge_l",

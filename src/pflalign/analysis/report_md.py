@@ -19,9 +19,10 @@ from .report import (DIVERGED_LOSS_RATIO, MAX_TABLE_CLIENTS, METRICS, MIN_SEEDS_
                      paired_markdown, summarize, sweeps, sweeps_markdown, table_markdown, with_exact_match, write_table_csv)
 
 
-def write_report(root: Path | str, out: Path | str, client: str | None = None, metric: str = "rouge_l",
-                 paired_against: tuple[str, ...] | None = None, claims: bool = False) -> Path:
-    """Tables and figures for every dataset under `root` into `out`; returns report.md. The tables
+def write_report(root: Path | str | list[Path | str], out: Path | str, client: str | None = None,
+                 metric: str = "rouge_l", paired_against: tuple[str, ...] | None = None, claims: bool = False) -> Path:
+    """Tables and figures for every dataset under `root` (a folder, or several: their runs in one
+    report, e.g. new runs beside the committed ones they are paired with) into `out`; returns report.md. The tables
     and paired differences show `metric` (rouge_l or exact_match); the figures are ROUGE-L.
     `paired_against`: the methods that each get a table of paired differences (that method minus
     each other one), each of them with a finished run under `root`; None: pFLAlign, where it ran.
@@ -30,22 +31,38 @@ def write_report(root: Path | str, out: Path | str, client: str | None = None, m
     if metric not in METRICS:
         raise UserError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
     metric_name = METRICS[metric]
-    root, out = Path(root), Path(out)
-    if not root.is_dir():
-        raise UserError(f"{root} is not a folder")
+    roots = [Path(r) for r in ([root] if isinstance(root, (str, Path)) else root)]
+    out = Path(out)
+    where = ", ".join(f"`{r}`" for r in roots)
+    for r in roots:
+        if not r.is_dir():
+            raise UserError(f"{r} is not a folder")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a folder")
-    runs, notes = find_runs(root)
+    runs, notes, seen = [], [], {}
+    for r in roots:
+        found, left = find_runs(r)
+        for run in found:
+            first = seen.setdefault((run.dataset, run.method, run.seed), run.path)
+            if first.resolve() == run.path.resolve() and first is not run.path:
+                continue  # a folder given twice (or inside another given one): its runs count once
+            if first != run.path:  # one row's seed twice: which one the table meant would be a guess
+                raise UserError(f"{first} and {run.path} are both {run.dataset}/{run.method}/seed{run.seed}; "
+                                "give the report one of them")
+            runs.append(run)
+        notes += [n for n in left if n not in notes]
     if not runs:
         left = f"; left out: {len(notes)} ({notes[0]}{', ...' if len(notes) > 1 else ''})" if notes else ""
-        raise UserError(f"no finished runs (results.json + metrics.jsonl + config.json) under {root}{left}")
+        raise UserError(f"no finished runs (results.json + metrics.jsonl + config.json) under "
+                        f"{', '.join(map(str, roots))}{left}")
     present = method_order(r.method for r in runs)
     absent = [m for m in paired_against or () if m not in present]
     if absent:
-        raise UserError(f"--paired {absent[0]}: no finished run of it under {root}; there are {', '.join(present)}")
+        raise UserError(f"--paired {absent[0]}: no finished run of it under {', '.join(map(str, roots))}; "
+                        f"there are {', '.join(present)}")
     if metric == "exact_match":
         runs = [with_exact_match(r) for r in runs]
-    lines = ["# pflalign report", "", f"{len(runs)} finished runs under `{root}`.", ""]
+    lines = ["# pflalign report", "", f"{len(runs)} finished runs under {where}.", ""]
     for dataset in sorted({r.dataset for r in runs}):
         mine = [r for r in runs if r.dataset == dataset]
         folder = out / dataset
