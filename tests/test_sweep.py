@@ -253,11 +253,11 @@ def test_issue_38s_grid_files_plan_and_the_committed_runs_are_theirs(tmp_path):
     (tmp_path / "flan").mkdir()
     finished = set()
     for phase, done in (("validation", "validation/runs"), ("matched", "runs"), ("components", "runs"),
-                        ("validated", "runs"), ("curves", "runs")):
+                        ("validated", "runs"), ("curves", "curves/runs")):
         if not (here / f"{phase}.toml").exists():  # written once the runs before it have decided its values
             continue
         runs = plan_sweep(str(here / f"{phase}.toml"), tmp_path / phase, data_dir=str(tmp_path / "flan"),
-                          done=[here / done])
+                          done=[here / done] if (here / done).is_dir() else [])
         assert runs and all(r.cfg.data.name == "flan" for r in runs)
         finished |= {f"{done}/{r.key}" for r in runs if r.state() == "finished"}
     validation = plan_sweep(str(here / "validation.toml"), tmp_path / "v", data_dir=str(tmp_path / "flan"))

@@ -17,8 +17,22 @@ copy() {  # copy SRC_ROOT DST_ROOT
 }
 copy "$RUNS-val" "$here/validation/runs"
 copy "$RUNS" "$here/runs"
+copy "$RUNS-curves" "$here/curves/runs"
 rel=${here#"$repo"/}  # relative paths: the committed report names no machine's folders
 "$PFL" report "$rel/validation/runs" --out "$rel/validation" >/dev/null && echo "report: $rel/validation"
+# the full runs beside Table 1's runs of the same five methods (lr 0.04; pFLAlign beta 0.8, FedDyn alpha 0.1),
+# which the rules pair them with: pFLAlign's variants and FedAvg at 0.006 against pFLAlign, pFLAlign at
+# another lr or beta against every other row
+t1=docs/results/table1-flan/runs/flan
+paired=(--paired pflalign)
+for d in "$here"/runs/flan/pflalign@*; do
+  [ -d "$d" ] || continue
+  case $(basename "$d") in *personalized=*) ;; *) paired+=(--paired "$(basename "$d")") ;; esac
+done
 if ls "$here"/runs/flan/*/seed*/results.json >/dev/null 2>&1; then
-  "$PFL" report "$rel/runs" --out "$rel" >/dev/null && echo "report: $rel"  # paired against pFLAlign where it ran
+  "$PFL" report "$rel/runs" "$t1/fedavg" "$t1/fedsa-lora" "$t1/feddyn" "$t1/local" "$t1/pflalign" --out "$rel" \
+    "${paired[@]}" >/dev/null && echo "report: $rel"
+fi
+if ls "$here"/curves/runs/flan/*/seed*/results.json >/dev/null 2>&1; then
+  "$PFL" report "$rel/curves/runs" --out "$rel/curves" >/dev/null && echo "report: $rel/curves"
 fi

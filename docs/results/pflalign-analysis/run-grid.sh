@@ -9,6 +9,7 @@
 #   sleep 5; echo 19 > /proc/$(pgrep -f 'run-grid.sh' | head -1)/autogroup
 #
 # and copy finished runs into the repo with collect.sh. PHASES="val matched ..." picks phases.
+# Folders: $RUNS-val (validation grid), $RUNS (matched, components, validated), $RUNS-curves.
 # PFL=path/to/pflalign runs another checkout's code (e.g. a worktree frozen at one commit, so
 # merges into this one do not reach a running grid); CONF=folder reads the sweep files and the
 # committed runs (--done) from another checkout (default: this folder), so a phase file written
@@ -24,9 +25,10 @@ PFL=${PFL:-$repo/.venv/bin/pflalign}
 WORKERS=${WORKERS:-2}
 PHASES=${PHASES:-"val matched components validated curves"}
 
-sweep() {  # sweep FILE OUT DONE
+sweep() {  # sweep FILE OUT DONE (DONE: the committed runs, passed once there are some)
   [ -f "$1" ] || { echo "skip $1 (not written yet)"; return 0; }
-  "$PFL" sweep --config "$1" --data-dir "$DATA" --out "$2" --done "$3" --no-progress --workers "$WORKERS"
+  local done=(); [ -d "$3" ] && done=(--done "$3")
+  "$PFL" sweep --config "$1" --data-dir "$DATA" --out "$2" "${done[@]}" --no-progress --workers "$WORKERS"
 }
 
 rescore_all() {  # every finished pFLAlign run (and variant) under $1, scored with w^R + Delta_k too
@@ -47,9 +49,12 @@ for phase in $PHASES; do
   case $phase in
     val) sweep "$here/validation.toml" "$RUNS-val" "$here/validation/runs"
          rescore_all "$RUNS-val" "$here/validation/runs" ;;
-    matched|components|validated|curves)
+    matched|components|validated)
          sweep "$here/$phase.toml" "$RUNS" "$here/runs"
          rescore_all "$RUNS" "$here/runs" ;;
+    curves)  # a folder of its own: its runs are Table 1's seed-0 configs (plus per-round scoring), named as its rows
+         sweep "$here/curves.toml" "$RUNS-curves" "$here/curves/runs"
+         rescore_all "$RUNS-curves" "$here/curves/runs" ;;
   esac
 done
 echo "== grid done ($(date -u +%H:%M))"
