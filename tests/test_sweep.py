@@ -268,6 +268,56 @@ def test_issue_38s_grid_files_plan_and_the_committed_runs_are_theirs(tmp_path):
     assert committed - rescored <= finished, sorted(committed - rescored - finished)
 
 
+
+def validated_plan(here: Path) -> tuple[dict, set]:
+    """Issue 38's 4b: each method's validated lr, computed from the committed validation runs by
+    the report's rule (`Sweep.best`), and the (method, lr, beta) full runs the rule then asks for:
+    3 seeds of each method whose validated lr is not Table 1's 0.04, and pFLAlign at beta 0.5 at its own."""
+    from pflalign.analysis.report import find_runs, summarize, sweeps
+
+    runs, _ = find_runs(here / "validation" / "runs")
+    _, rows = summarize([r for r in runs if "personalized=" not in r.method])
+    best = {s.name: s.best() for s in sweeps(rows) if s.setting == "lr" and len(s.points) == 7}
+    wanted = {(m, lr, None) for m, lr in best.items() if lr != 0.04 and m != "pflalign"}
+    if "pflalign" in best:
+        wanted |= {("pflalign", best["pflalign"], 0.5)} | ({("pflalign", best["pflalign"], 0.8)}
+                                                          if best["pflalign"] != 0.04 else set())
+    return best, wanted
+
+
+def test_issue_38s_validated_runs_follow_the_validation_grid(tmp_path):
+    """validated.toml, once written, holds exactly the full runs the fixed rule derives from the
+    committed validation runs: nothing tuned by hand after the fact."""
+    here = Path(__file__).resolve().parents[1] / "docs" / "results" / "pflalign-analysis"
+    if not (here / "validated.toml").exists():
+        pytest.skip("validated.toml is written once 4b's validation grid is in")
+    best, wanted = validated_plan(here)
+    assert set(best) == {"pflalign", "fedavg", "fedsa-lora", "feddyn", "local"}, "validation grid incomplete"
+    runs = plan_sweep(str(here / "validated.toml"), tmp_path, data_dir=str(tmp_path))
+    got = {(r.cfg.method, r.cfg.lr, r.cfg.method_args.get("beta") if r.cfg.method == "pflalign" else None)
+           for r in runs}
+    assert got == wanted and {r.cfg.seed for r in runs} == {0, 1, 2} and {r.cfg.rounds for r in runs} == {50}
+
+
+def test_validated_plan_by_the_rule_on_made_up_sweeps(tmp_path):
+    """The derivation above on a made-up validation folder: FedAvg best at 0.16, pFLAlign at 0.04,
+    FedSA-LoRA at 0.04 (Table 1's: no full runs), an incomplete sweep left out."""
+    root = tmp_path / "validation" / "runs" / "flan"
+    avgs = {"fedavg": [1, 2, 3, 4, 5, 9, 0], "pflalign": [1, 2, 3, 8, 5, 4, 3], "fedsa-lora": [1, 2, 3, 7, 7, 7, 0]}
+    lrs = [0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32]
+    for method, values in {**avgs, "local": [1, 2]}.items():
+        for lr, avg in zip(lrs, values):
+            d = root / f"{method}@lr={lr}" / "seed0"
+            d.mkdir(parents=True)
+            (d / ckpt.RESULTS).write_text(json.dumps({"method": method, "seed": 0, "avg_rouge_l_personalized": avg,
+                                                      "clients": [{"id": 0, "task": "t", "rouge_l_personalized": avg}]}))
+            (d / ckpt.CONFIG).write_text("{}")
+            (d / ckpt.METRICS).write_text("")
+    best, wanted = validated_plan(tmp_path)
+    assert best == {"fedavg": 0.16, "pflalign": 0.04, "fedsa-lora": 0.04}
+    assert wanted == {("fedavg", 0.16, None), ("pflalign", 0.04, 0.5)}
+
+
 def test_flat_and_merge_the_configs_that_sweep_and_rescore_compare():
     from pflalign.settings import flat, merge
 
