@@ -20,17 +20,7 @@ step() {  # step NAME COMMAND...: run it, note its wall time
 
 step setup make setup
 # A CSV of one's own: 600 Dolly rows, 150 of each of 4 categories (instruction, context, response, category).
-step csv .venv/bin/python - "$DOLLY" "$WORK/mine.csv" <<'EOF'
-import csv, json, sys
-keep = {"open_qa", "classification", "brainstorming", "general_qa"}
-rows, seen = [], {c: 0 for c in keep}
-for r in map(json.loads, open(sys.argv[1])):
-    if seen.get(r["category"], 150) < 150:  # 150 of each
-        seen[r["category"]] += 1; rows.append(r)
-with open(sys.argv[2], "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=["instruction", "context", "response", "category"])
-    w.writeheader(); w.writerows(rows)
-EOF
+step csv .venv/bin/python benchmarks/newcomer_csv.py "$DOLLY" "$WORK/mine.csv"
 step run .venv/bin/pflalign run --set data.name=files --data-dir "$WORK/mine.csv" \
     --set data.columns.context=context --set data.partition=dirichlet --set data.partition_by=category \
     --set data.num_clients=8 --set data.alpha=1.0 --set data.max_test=8 --set rounds="$ROUNDS" \
