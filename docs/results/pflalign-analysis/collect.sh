@@ -37,3 +37,8 @@ fi
 if ls "$here"/curves/runs/flan/*/seed*/results.json >/dev/null 2>&1; then
   "$PFL" report "$rel/curves/runs" --out "$rel/curves" >/dev/null && echo "report: $rel/curves"
 fi
+# the counts every closing note states (N = 33 full-protocol runs planned; the validation runs apart,
+# 33 new of 35 with the two copied from tune-flan; rescorings are not training runs)
+count() { find "$@" -name results.json 2>/dev/null | grep -vc "personalized=" ; }
+echo "full-protocol runs committed: $(count "$here/runs" "$here/curves/runs") of 33;" \
+     "validation runs: $(( $(count "$here/validation/runs") - 2 )) of 33 new"
