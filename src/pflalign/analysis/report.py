@@ -447,7 +447,7 @@ def sweeps_markdown(found: list[Sweep]) -> str:
     for setting in dict.fromkeys(s.setting for s in found):
         mine = [s for s in found if s.setting == setting]
         values = sorted({v for s in mine for v, _ in s.points})
-        lines = [f"| Method | " + " | ".join(f"{setting}={v:g}" for v in values) + f" | best {setting} |",
+        lines = ["| Method | " + " | ".join(f"{setting}={v:g}" for v in values) + f" | best {setting} |",
                  "| :-- | " + " | ".join("--:" for _ in values) + " | --: |"]
         for s in mine:
             at = {v: row for v, row in s.points}
