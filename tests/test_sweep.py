@@ -251,14 +251,17 @@ def test_issue_38s_grid_files_plan_and_the_committed_runs_are_theirs(tmp_path):
     the `pflalign rescore` of one (its "personalized=after_aggregation" sibling)."""
     here = Path(__file__).resolve().parents[1] / "docs" / "results" / "pflalign-analysis"
     (tmp_path / "flan").mkdir()
+    (tmp_path / "mine.csv").write_text("instruction,context,response,category\n")  # short-runs: a CSV of one's own
     finished = set()
-    for phase, done in (("validation", "validation/runs"), ("matched", "runs"), ("components", "runs"),
-                        ("validated", "runs"), ("curves", "curves/runs")):
+    for phase, done, data in (("validation", "validation/runs", "flan"), ("matched", "runs", "flan"),
+                              ("components", "runs", "flan"), ("validated", "runs", "flan"),
+                              ("curves", "curves/runs", "flan"), ("short-runs", "short-runs/runs", "files")):
         if not (here / f"{phase}.toml").exists():  # written once the runs before it have decided its values
             continue
-        runs = plan_sweep(str(here / f"{phase}.toml"), tmp_path / phase, data_dir=str(tmp_path / "flan"),
+        runs = plan_sweep(str(here / f"{phase}.toml"), tmp_path / phase,
+                          data_dir=str(tmp_path / ("flan" if data == "flan" else "mine.csv")),
                           done=[here / done] if (here / done).is_dir() else [])
-        assert runs and all(r.cfg.data.name == "flan" for r in runs)
+        assert runs and all(r.cfg.data.name == data for r in runs)
         finished |= {f"{done}/{r.key}" for r in runs if r.state() == "finished"}
     validation = plan_sweep(str(here / "validation.toml"), tmp_path / "v", data_dir=str(tmp_path / "flan"))
     assert len(validation) == 35 and {r.cfg.rounds for r in validation} == {10}
