@@ -39,13 +39,14 @@ def write_report(root: Path | str | list[Path | str], out: Path | str, client: s
             raise UserError(f"{r} is not a folder")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file, not a folder")
-    runs, notes, seen = [], [], {}
+    runs, notes, seen, taken = [], [], {}, set()
     for r in roots:
         found, left = find_runs(r)
         for run in found:
-            first = seen.setdefault((run.dataset, run.method, run.seed), run.path)
-            if first.resolve() == run.path.resolve() and first is not run.path:
+            if run.path.resolve() in taken:
                 continue  # a folder given twice (or inside another given one): its runs count once
+            taken.add(run.path.resolve())
+            first = seen.setdefault((run.dataset, run.method, run.seed), run.path)
             if first != run.path:  # one row's seed twice: which one the table meant would be a guess
                 raise UserError(f"{first} and {run.path} are both {run.dataset}/{run.method}/seed{run.seed}; "
                                 "give the report one of them")
