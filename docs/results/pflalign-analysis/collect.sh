@@ -37,6 +37,8 @@ fi
 if ls "$here"/curves/runs/flan/*/seed*/results.json >/dev/null 2>&1; then
   "$PFL" report "$rel/curves/runs" --out "$rel/curves" >/dev/null && echo "report: $rel/curves"
 fi
+# the four questions by the fixed rules, from what is committed now (answers.md; "waiting" where seeds are missing)
+"$(dirname "$PFL")/python" "$here/answers.py" >/dev/null && echo "answers: $rel/answers.md"
 # the counts every closing note states (N = 33 full-protocol runs planned; the validation runs apart,
 # 33 new of 35 with the two copied from tune-flan; rescorings are not training runs)
 count() { find "$@" -name results.json 2>/dev/null | grep -vc "personalized=" ; }

@@ -1,0 +1,249 @@
+"""Issue 38's four questions answered by the rules README.md fixed before the runs, from the
+committed runs alone: each answer shows its numbers and the rule's verdict, or what it still waits
+for. Writes answers.md (collect.sh runs it after every collect) and prints it.
+
+    .venv/bin/python docs/results/pflalign-analysis/answers.py
+
+The rules, as README.md "Rules, fixed before the runs" states them, made mechanical here:
+1. Step size: pFLAlign − FedAvg on Avg, paired by seed, at matched steps: Table 1's pFLAlign (lr 0.04)
+   against FedAvg at 0.006, and pFLAlign at 0.33 against Table 1's FedAvg (lr 0.04). A step-size
+   effect if the mean is >= 0 in both; not one if either 95% interval lies below 0; else undecided.
+2. Components: variant − Table 1's pFLAlign. Switching a part off lowers Avg with the interval below
+   0: the part helps; above 0: it hurts; else no effect shown.
+3. Personalized model: "its table" is Table 1's (eleven methods, three seeds each): a pFLAlign setting's
+   rank on Avg (as shown, two decimals; a tie shares the better rank) among Table 1's ten other rows,
+   scored with w_{k,T}, against the rank of its w^R + Delta_k rescoring on the same seeds. Table 1's
+   own pFLAlign row has no rescoring (its checkpoints were not kept); the curves phase re-makes its
+   seed 0, so that row is compared on seed 0 alone, as one-seed evidence.
+4. The lead: the first scored round from which FedAvg's mean personalized ROUGE-L in the round_eval
+   lines (20 test examples per client) stays above pFLAlign's, in the curves runs.
+An answer needs all three seeds of each run it compares (the curves: seed 0); until then it shows
+what is in and says "waiting".
+"""
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from pflalign.analysis.report import Run, ci95_half_width, divergence, excludes_zero, find_runs
+
+HERE = Path(__file__).resolve().parent
+TABLE1 = HERE.parent / "table1-flan" / "runs"
+SEEDS = [0, 1, 2]
+RESCORED = "personalized=after_aggregation"
+
+MATCHED = [("pflalign", "fedavg@lr=0.006", "pFLAlign lr 0.04 − FedAvg lr 0.006 (at pFLAlign's step)"),
+           ("pflalign@lr=0.33", "fedavg", "pFLAlign lr 0.33 − FedAvg lr 0.04 (at FedAvg's step)")]
+COMPONENTS = [("pflalign-no-precond", "the preconditioner: P ≡ 1"),
+              ("pflalign-no-correction", "the correction: γ ≡ 0"),
+              ("pflalign-no-personal-init", "the personal start: w_{k,0} = w^r, no correction")]
+OWN_LR = [("fedavg@lr=0.16", "FedAvg lr 0.16"), ("fedsa-lora@lr=0.16", "FedSA-LoRA lr 0.16"),
+          ("feddyn@lr=0.02", "FedDyn lr 0.02"), ("local@lr=0.16", "Local lr 0.16")]
+OWN_LR_PFLALIGN = [("pflalign", "pFLAlign β 0.8"), ("pflalign@beta=0.5", "pFLAlign β 0.5")]
+
+
+@dataclass
+class Difference:
+    """a − b on the client average, per seed both ran."""
+
+    a: str
+    b: str
+    seeds: list[int]
+    diffs: list[float]
+
+    @property
+    def complete(self) -> bool:
+        return self.seeds == SEEDS
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.diffs) if self.diffs else None
+
+    @property
+    def ci(self) -> float | None:
+        return ci95_half_width(self.diffs)
+
+    def below_zero(self) -> bool:
+        return excludes_zero(self.diffs) and self.mean < 0
+
+    def above_zero(self) -> bool:
+        return excludes_zero(self.diffs) and self.mean > 0
+
+    def cell(self) -> str:
+        if not self.diffs:
+            return "–"
+        return f"{self.mean:+.2f}" + (f" ± {self.ci:.2f}" if self.ci is not None else "")
+
+
+def avg(run: Run) -> float:
+    return run.results["avg_rouge_l_personalized"]
+
+
+def by_name(runs: list[Run]) -> dict[str, dict[int, Run]]:
+    out: dict[str, dict[int, Run]] = {}
+    for r in runs:
+        out.setdefault(r.method, {})[r.seed] = r
+    return out
+
+
+def difference(runs: dict[str, dict[int, Run]], a: str, b: str) -> Difference:
+    seeds = sorted(set(runs.get(a, {})) & set(runs.get(b, {})))
+    return Difference(a, b, seeds, [avg(runs[a][s]) - avg(runs[b][s]) for s in seeds])
+
+
+def rescored_name(name: str) -> str:
+    return f"{name},{RESCORED}" if "@" in name else f"{name}@{RESCORED}"
+
+
+def rank(value: float, others: list[float]) -> int:
+    """1 + the rows above `value` on Avg as shown (two decimals): a tie shares the better rank."""
+    return 1 + sum(round(o, 2) > round(value, 2) for o in others)
+
+
+def waiting(diffs: list[Difference]) -> str:
+    return "waiting: " + ", ".join(f"{len(d.seeds)} of 3 seeds of {d.a} − {d.b}" for d in diffs if not d.complete)
+
+
+def diverged(runs: dict[str, dict[int, Run]], names: list[str]) -> list[str]:
+    return [f"{n} seed {s}" for n in names for s, r in sorted(runs.get(n, {}).items()) if divergence(r)]
+
+
+def diff_table(rows: list[tuple[str, Difference]]) -> list[str]:
+    lines = ["| comparison | seeds | per seed | mean ± 95% CI |", "| :-- | :-- | :-- | --: |"]
+    for text, d in rows:
+        per_seed = ", ".join(f"{x:+.2f}" for x in d.diffs) or "–"
+        lines.append(f"| {text} | {', '.join(map(str, d.seeds)) or '–'} | {per_seed} | {d.cell()} |")
+    return lines
+
+
+def step_size(runs) -> list[str]:
+    diffs = [difference(runs, a, b) for a, b, _ in MATCHED]
+    if not all(d.complete for d in diffs):
+        verdict = waiting(diffs)
+    elif any(d.below_zero() for d in diffs):
+        verdict = "**not a step-size effect**: a matched comparison's interval lies below 0"
+    elif all(d.mean >= 0 for d in diffs):
+        verdict = "**a step-size effect**: pFLAlign is level or ahead at both matched steps"
+    else:
+        verdict = "**undecided** at 3 seeds: a mean below 0 whose interval spans 0"
+    lines = ["## 1. Is pFLAlign's deficit a step-size effect? (4a)", "",
+             *diff_table([(text, d) for (_, _, text), d in zip(MATCHED, diffs)]), "", f"Verdict: {verdict}."]
+    own = [(f"{pt} − {bt}", difference(runs, p, b)) for b, bt in OWN_LR for p, pt in OWN_LR_PFLALIGN]
+    if any(d.diffs for _, d in own):
+        lines += ["", "Beside it, 4b (no rule: shown, not judged): pFLAlign at its validated lr 0.04 against each "
+                  "baseline at its own validated lr.", "", *diff_table(own)]
+    return lines
+
+
+def components(runs) -> list[str]:
+    lines = ["## 2. Which component helps or hurts? (4c)", "",
+             *diff_table([(f"{v} − pFLAlign (without {what})", difference(runs, v, "pflalign"))
+                          for v, what in COMPONENTS]), ""]
+    for v, what in COMPONENTS:
+        d = difference(runs, v, "pflalign")
+        if not d.complete:
+            verdict = waiting([d])
+        elif d.below_zero():
+            verdict = "**helps** (switching it off lowers Avg; the interval lies below 0)"
+        elif d.above_zero():
+            verdict = "**hurts** (switching it off raises Avg; the interval lies above 0)"
+        else:
+            verdict = "no effect shown at 3 seeds (the interval spans 0)"
+        lines.append(f"- {what}: {verdict}.")
+    return lines
+
+
+def personalized_model(runs, table1, curves) -> list[str]:
+    lines = ["## 3. Does the choice of personalized model change the ranking? (3)", "",
+             "Rank on Avg among Table 1's ten other methods (its eleven rows, pFLAlign's replaced).", "",
+             "| pFLAlign setting | seeds | Avg, w_{k,T} | rank | Avg, w^R + Δ_k | rank |",
+             "| :-- | :-- | --: | --: | --: | --: |"]
+    others = {m: seeds for m, seeds in table1.items() if m != "pflalign"}
+    moved, judged = [], 0
+    candidates = [(n, runs) for n in sorted(runs) if n.startswith("pflalign") and RESCORED not in n]
+    candidates += [("pflalign", curves)] if "pflalign" in curves else []
+    for name, source in candidates:
+        alt = source.get(rescored_name(name), {})
+        seeds = sorted(set(source[name]) & set(alt))
+        if not seeds:
+            continue
+        rows = [statistics.fmean(avg(s[i]) for i in seeds) for s in others.values() if all(i in s for i in seeds)]
+        a = statistics.fmean(avg(source[name][i]) for i in seeds)
+        b = statistics.fmean(avg(alt[i]) for i in seeds)
+        ra, rb = rank(a, rows), rank(b, rows)
+        note = " (Table 1's, re-made by the curves run; one seed)" if source is curves else ""
+        lines.append(f"| {name}{note} | {', '.join(map(str, seeds))} | {a:.2f} | {ra} of {len(rows) + 1} | "
+                     f"{b:.2f} | {rb} of {len(rows) + 1} |")
+        if seeds == SEEDS:
+            judged += 1
+            moved += [f"{name} ({ra} → {rb})"] if ra != rb else []
+    lines.append("")
+    if not judged:
+        lines.append("Verdict: waiting: no pFLAlign setting has all 3 seeds scored both ways yet.")
+    elif moved:
+        lines.append(f"Verdict: **the ranking changes** for {', '.join(moved)} ({judged} setting(s) with 3 seeds).")
+    else:
+        lines.append(f"Verdict: **the ranking does not change** in any of the {judged} setting(s) with 3 seeds.")
+    return lines
+
+
+def eval_curve(run: Run) -> dict[int, float]:
+    per_round: dict[int, list[float]] = {}
+    for m in run.events("round_eval"):
+        per_round.setdefault(m["round"] + 1, []).append(m["rouge_l_personalized"])
+    return {r: statistics.fmean(v) for r, v in sorted(per_round.items())}
+
+
+def lead_turn(fedavg: dict[int, float], pflalign: dict[int, float]) -> int | None:
+    """The first scored round from which FedAvg stays above pFLAlign to the last; None if it never does."""
+    scored = sorted(set(fedavg) & set(pflalign))
+    turn = None
+    for r in scored:
+        if fedavg[r] > pflalign[r]:
+            turn = r if turn is None else turn
+        else:
+            turn = None
+    return turn
+
+
+def lead(curves) -> list[str]:
+    lines = ["## 4. When does the lead turn? (4d)", ""]
+    have = {m: eval_curve(curves[m][0]) for m in ("pflalign", "fedavg", "local") if 0 in curves.get(m, {})}
+    if "pflalign" not in have or "fedavg" not in have:
+        return lines + ["Verdict: waiting: the curves runs of pFLAlign and FedAvg (seed 0) are not both in."]
+    rounds = sorted(set().union(*have.values()))
+    lines += ["| round | " + " | ".join(have) + " |", "| --: | " + " | ".join("--:" for _ in have) + " |"]
+    lines += [f"| {r} | " + " | ".join(f"{c[r]:.2f}" if r in c else "–" for c in have.values()) + " |" for r in rounds]
+    turn = lead_turn(have["fedavg"], have["pflalign"])
+    first = min(set(have["fedavg"]) & set(have["pflalign"]))
+    if turn is None:
+        verdict = "FedAvg is not above pFLAlign at the last scored round: **the lead does not turn** by then"
+    elif turn == first:
+        verdict = f"FedAvg is above pFLAlign from the first scored round ({turn}): **no lead to turn** on this subsample"
+    else:
+        verdict = f"**the lead turns at round {turn}**: from there FedAvg stays above pFLAlign"
+    return lines + ["", f"Verdict: {verdict}."]
+
+
+def answers(analysis: Path = HERE / "runs", table1: Path = TABLE1, curves: Path = HERE / "curves" / "runs") -> str:
+    def load(root: Path) -> dict[str, dict[int, Run]]:
+        return by_name(find_runs(root)[0] if root.is_dir() else [])
+
+    t1 = load(table1)
+    runs = {**t1, **load(analysis)}  # the analysis runs' names never clash with Table 1's (they carry @ or -no-)
+    made = load(curves)
+    out = ["# Issue 38: the answers by the fixed rules", "",
+           "Made by [answers.py](answers.py) from the committed runs (rules: [README.md](README.md) and the "
+           "script's docstring); Avg is the mean personalized ROUGE-L over the four clients, differences "
+           "are paired by seed. Do not edit: collect.sh rewrites it.", ""]
+    out += step_size(runs) + [""] + components(runs) + [""] + personalized_model(runs, t1, made) + [""] + lead(made)
+    bad = diverged(runs, [n for n in runs if n not in t1]) + diverged(made, list(made))
+    if bad:
+        out += ["", "Diverged runs among them (`pflalign report`'s test): " + ", ".join(bad) + "."]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    text = answers()
+    (HERE / "answers.md").write_text(text)
+    print(text, end="")

@@ -1,0 +1,136 @@
+"""docs/results/pflalign-analysis/answers.py: issue 38's fixed rules applied to made-up runs, one
+test per verdict, so that the answers the grid's runs get are the rules' and nobody's reading."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from pflalign import checkpoint as ckpt
+
+HERE = Path(__file__).resolve().parents[1] / "docs" / "results" / "pflalign-analysis"
+
+
+@pytest.fixture(scope="module")
+def answers():
+    spec = importlib.util.spec_from_file_location("issue38_answers", HERE / "answers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def put(root: Path, name: str, avgs: list[float], curve: dict[int, float] | None = None) -> None:
+    """Runs of `name` (seeds 0, 1, ... with these Avgs) under root/flan/, as the grid writes them;
+    `curve`: round → personalized ROUGE-L of its round_eval lines (two clients, both that value)."""
+    for seed, avg in enumerate(avgs):
+        d = root / "flan" / name / f"seed{seed}"
+        d.mkdir(parents=True)
+        method = name.split("@")[0]
+        (d / ckpt.RESULTS).write_text(json.dumps({
+            "method": method, "seed": seed, "avg_rouge_l_personalized": avg,
+            "clients": [{"id": 0, "task": "t", "rouge_l_personalized": avg}]}))
+        (d / ckpt.CONFIG).write_text("{}")
+        lines = [{"event": "round_eval", "round": r - 1, "client": c, "task": "t", "rouge_l_personalized": v}
+                 for r, v in (curve or {}).items() for c in (0, 1)]
+        (d / ckpt.METRICS).write_text("".join(json.dumps(m) + "\n" for m in lines))
+
+
+def table1(root: Path, pflalign=(48.0, 48.0, 48.0), fedavg=(49.0, 49.0, 49.0)) -> Path:
+    put(root, "pflalign", list(pflalign))
+    put(root, "fedavg", list(fedavg))
+    for name, value in (("feddyn", 51.0), ("fedprox", 49.5), ("local", 47.0)):
+        put(root, name, [value] * 3)
+    return root
+
+
+def text(answers, tmp_path, analysis: dict, t1: dict | None = None, curves: dict | None = None) -> str:
+    for name, avgs in analysis.items():
+        put(tmp_path / "a", name, avgs)
+    for name, (avgs, curve) in (curves or {}).items():
+        put(tmp_path / "c", name, avgs, curve)
+    table1(tmp_path / "t", **(t1 or {}))
+    return answers.answers(tmp_path / "a", tmp_path / "t", tmp_path / "c")
+
+
+def section(text: str, number: int) -> str:
+    return text.split(f"## {number}.")[1].split("\n## ")[0]
+
+
+@pytest.mark.parametrize("low, high, verdict", [
+    # pFLAlign 48 at lr 0.04 against FedAvg at 0.006; pFLAlign at 0.33 against FedAvg's 49 at 0.04
+    ([47.0, 48.0, 46.5], [49.5, 50.0, 49.0], "**a step-size effect**"),  # +1.0/0/+1.5 and +0.5/+1/0
+    ([49.0, 49.2, 48.9], [49.5, 50.0, 49.0], "**not a step-size effect**"),  # −1/−1.2/−0.9: below 0
+    ([47.0, 48.5, 46.5], [49.5, 50.0, 49.0], "**a step-size effect**"),  # +1/−0.5/+1.5: the mean counts
+    ([47.0, 50.0, 48.5], [49.5, 50.0, 49.0], "**undecided**"),  # +1/−2/−0.5: mean < 0, spans 0
+    ([47.0, 48.0, 46.5], [48.5, 49.5, 48.0], "**undecided**"),  # −0.5/+0.5/−1: mean < 0, spans 0
+    ([47.0, 48.0], [49.5, 50.0, 49.0], "waiting: 2 of 3 seeds of pflalign − fedavg@lr=0.006"),
+])
+def test_question_1_the_step_size_rule(answers, tmp_path, low, high, verdict):
+    out = section(text(answers, tmp_path, {"fedavg@lr=0.006": low, "pflalign@lr=0.33": high}), 1)
+    assert f"Verdict: {verdict}" in out
+
+
+def test_question_1_reads_a_mean_of_exactly_zero_as_level(answers, tmp_path):
+    out = section(text(answers, tmp_path, {"fedavg@lr=0.006": [48.0, 48.0, 48.0],
+                                           "pflalign@lr=0.33": [49.0, 49.0, 49.0]}), 1)
+    assert "Verdict: **a step-size effect**" in out and "| +0.00 ± 0.00 |" in out
+
+
+@pytest.mark.parametrize("avgs, verdict", [
+    ([46.0, 46.5, 45.5], "**helps**"),  # switched off: 2 below pFLAlign's 48 on every seed
+    ([50.0, 49.5, 50.5], "**hurts**"),
+    ([47.0, 49.0, 48.5], "no effect shown at 3 seeds"),
+    ([46.0], "waiting: 1 of 3 seeds of pflalign-no-precond − pflalign"),
+])
+def test_question_2_the_component_rule(answers, tmp_path, avgs, verdict):
+    out = section(text(answers, tmp_path, {"pflalign-no-precond": avgs}), 2)
+    assert f"- the preconditioner: P ≡ 1: {verdict}" in out
+    assert "- the correction: γ ≡ 0: waiting: 0 of 3 seeds" in out
+
+
+def test_question_3_ranks_against_table_1s_other_rows(answers, tmp_path):
+    """Table 1 without pFLAlign: FedDyn 51, FedProx 49.5, FedAvg 49, Local 47. pFLAlign at 0.33
+    ranks 4th of 5 with w_kT (48) and 2nd with w^R + Delta_k (50); β 0.5 ties FedAvg both ways
+    (a tie shares the better rank: 3rd) and so does not move; one seed only is shown, not judged."""
+    out = section(text(answers, tmp_path, {
+        "pflalign@lr=0.33": [48.0, 47.0, 49.0], "pflalign@lr=0.33,personalized=after_aggregation": [50.0] * 3,
+        "pflalign@beta=0.5": [49.0] * 3, "pflalign@beta=0.5,personalized=after_aggregation": [49.004] * 3,
+        "pflalign-no-precond": [40.0], "pflalign-no-precond@personalized=after_aggregation": [60.0],
+    }), 3)
+    assert "| pflalign@lr=0.33 | 0, 1, 2 | 48.00 | 4 of 5 | 50.00 | 2 of 5 |" in out
+    assert "| pflalign@beta=0.5 | 0, 1, 2 | 49.00 | 3 of 5 | 49.00 | 3 of 5 |" in out
+    assert "| pflalign-no-precond | 0 | 40.00 | 5 of 5 | 60.00 | 1 of 5 |" in out
+    assert "Verdict: **the ranking changes** for pflalign@lr=0.33 (4 → 2) (2 setting(s) with 3 seeds)." in out
+
+
+def test_question_3_table_1s_own_row_from_the_curves_run_is_one_seed(answers, tmp_path):
+    out = section(text(answers, tmp_path, {}, curves={"pflalign": ([48.3], None),
+                                                      "pflalign@personalized=after_aggregation": ([49.6], None)}), 3)
+    assert "| pflalign (Table 1's, re-made by the curves run; one seed) | 0 | 48.30 | 4 of 5 | 49.60 | 2 of 5 |" in out
+    assert "Verdict: waiting" in out
+
+
+@pytest.mark.parametrize("fedavg, pflalign, turn", [
+    ({5: 30, 10: 36, 15: 40, 20: 44}, {5: 34, 10: 40, 15: 39, 20: 41}, 15),
+    ({5: 30, 10: 42, 15: 38, 20: 44}, {5: 34, 10: 40, 15: 39, 20: 41}, 20),  # above at 10, not at 15: 20
+    ({5: 30, 10: 36}, {5: 34, 10: 40}, None),
+    ({5: 36, 10: 41}, {5: 34, 10: 40}, 5),
+    ({5: 30, 10: 40}, {5: 34, 10: 40}, None),  # level is not above
+])
+def test_question_4_the_lead_turns_where_fedavg_stays_above(answers, fedavg, pflalign, turn):
+    assert answers.lead_turn(fedavg, pflalign) == turn
+
+
+def test_question_4_reads_the_round_eval_lines_of_the_curves_runs(answers, tmp_path):
+    out = section(text(answers, tmp_path, {}, curves={
+        "pflalign": ([48.0], {5: 34.0, 10: 40.0, 15: 39.0}), "fedavg": ([49.0], {5: 30.0, 10: 36.0, 15: 40.0}),
+        "local": ([47.0], {5: 20.0, 10: 30.0, 15: 35.0})}), 4)
+    assert "| 10 | 40.00 | 36.00 | 30.00 |" in out  # round_eval's 0-based round 9 is round 10
+    assert "Verdict: **the lead turns at round 15**" in out
+
+
+def test_the_committed_answers_are_the_scripts_output(answers):
+    """answers.md is regenerated from the committed runs: an edit by hand, or runs committed without
+    rerunning the script, fails here."""
+    assert (HERE / "answers.md").read_text() == answers.answers()
