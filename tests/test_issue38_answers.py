@@ -49,7 +49,7 @@ def text(answers, tmp_path, analysis: dict, t1: dict | None = None, curves: dict
         put(tmp_path / "a", name, avgs)
     for name, (avgs, curve) in (curves or {}).items():
         put(tmp_path / "c", name, avgs, curve)
-    table1(tmp_path / "t", **(t1 or {}))
+    table1(tmp_path / "t", **{"pflalign": (48.3, 48.0, 48.0), **(t1 or {})})
     return answers.answers(tmp_path / "a", tmp_path / "t", tmp_path / "c")
 
 
@@ -109,6 +109,12 @@ def test_question_3_table_1s_own_row_from_the_curves_run_is_one_seed(answers, tm
                                                       "pflalign@personalized=after_aggregation": ([49.6], None)}), 3)
     assert "| pflalign (Table 1's, re-made by the curves run; one seed) | 0 | 48.30 | 4 of 5 | 49.60 | 2 of 5 |" in out
     assert "Verdict: waiting" in out
+
+
+def test_question_3_says_when_the_curves_run_does_not_re_make_table_1s(answers, tmp_path):
+    out = section(text(answers, tmp_path, {}, t1={"pflalign": (48.2, 48.0, 48.0)},
+                       curves={"pflalign": ([48.3], None), "pflalign@personalized=after_aggregation": ([49.6], None)}), 3)
+    assert "one seed; **its w_{k,T} Avg is not Table 1's seed 0**)" in out
 
 
 @pytest.mark.parametrize("fedavg, pflalign, turn", [

@@ -171,7 +171,11 @@ def personalized_model(runs, table1, curves) -> list[str]:
         a = statistics.fmean(avg(source[name][i]) for i in seeds)
         b = statistics.fmean(avg(alt[i]) for i in seeds)
         ra, rb = rank(a, rows), rank(b, rows)
-        note = " (Table 1's, re-made by the curves run; one seed)" if source is curves else ""
+        note = ""
+        if source is curves:  # the same config and seed as Table 1's run: its w_kT score must be Table 1's
+            same = 0 in table1.get("pflalign", {}) and round(avg(table1["pflalign"][0]), 6) == round(a, 6)
+            note = (" (Table 1's, re-made by the curves run; one seed" +
+                    ("" if same else "; **its w_{k,T} Avg is not Table 1's seed 0**") + ")")
         lines.append(f"| {name}{note} | {', '.join(map(str, seeds))} | {a:.2f} | {ra} of {len(rows) + 1} | "
                      f"{b:.2f} | {rb} of {len(rows) + 1} |")
         if seeds == SEEDS:
