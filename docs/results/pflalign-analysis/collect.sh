@@ -20,7 +20,7 @@ copy "$RUNS" "$here/runs"
 copy "$RUNS-curves" "$here/curves/runs"
 rel=${here#"$repo"/}  # relative paths: the committed report names no machine's folders
 "$PFL" report "$rel/validation/runs" --out "$rel/validation" >/dev/null && echo "report: $rel/validation"
-"$(dirname "$PFL")/python" "$here/effective_step.py" >/dev/null && echo "figure: $rel/validation/effective-step.png"
+"$(dirname "$PFL")/python" "$here/effective_step.py" >/dev/null && echo "figures: $rel/validation/effective-step.png, $rel/effective-step.png"
 # the full runs beside Table 1's runs of the same five methods (lr 0.04; pFLAlign beta 0.8, FedDyn alpha 0.1),
 # which the rules pair them with: pFLAlign's variants and FedAvg at 0.006 against pFLAlign, pFLAlign at
 # another lr or beta against every other row

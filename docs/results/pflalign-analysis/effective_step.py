@@ -2,7 +2,12 @@
 SGD-equivalent step it took. For pFLAlign that is lr x its measured step ratio ||P.g||/||g||
 (mean over all clients and rounds of its client_round lines); every other method of the grid
 takes SGD's step, so its own lr. If pFLAlign's deficit were its step size alone, its points would
-lie on FedAvg's curve. Writes validation/effective-step.png and prints the table for README.md.
+lie on FedAvg's curve. Writes validation/effective-step.png and prints the table for README.md; then the same view of
+the full-protocol runs (runs/ beside Table 1's runs of the same five methods, mean Avg over the seeds
+with its 95% interval) in effective-step.png, each pFLAlign step ratio the mean over its own run's
+client_round lines (Table 1's runs predate them: its pFLAlign takes the ratio of the curves run that
+re-makes its seed 0 once that is in, until then its 10-round validation run's at the same lr, 0.121,
+which the 50 rounds may lower: the ratio falls over the rounds).
 
     .venv/bin/python docs/results/pflalign-analysis/effective_step.py
 """
@@ -16,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from pflalign.analysis.figures import DPI, style  # noqa: E402
-from pflalign.analysis.report import find_runs, summarize, sweeps  # noqa: E402
+from pflalign.analysis.report import ci95_half_width, find_runs, summarize, sweeps  # noqa: E402
 from pflalign.methods import label  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -27,7 +32,7 @@ def step_ratio(run) -> float | None:
     return statistics.fmean(ratios) if ratios else None
 
 
-def main() -> None:
+def validation_figure() -> None:
     runs, _ = find_runs(HERE / "validation" / "runs")
     runs = [r for r in runs if "personalized=" not in r.method]
     _, rows = summarize(runs)
@@ -54,6 +59,69 @@ def main() -> None:
     fig.legend(loc="outside right upper", fontsize=8, frameon=False)
     fig.savefig(HERE / "validation" / "effective-step.png", dpi=DPI)
     print("\n".join(lines))
+
+
+TABLE1 = HERE.parent / "table1-flan" / "runs"
+FULL_METHODS = ["fedavg", "fedsa-lora", "feddyn", "local", "pflalign"]
+
+
+def full_points(runs) -> dict[str, list[tuple[float, float, float | None, str]]]:
+    """Series name → (SGD-equivalent step, mean Avg, its 95% CI half-width, lr) per setting, sorted by step.
+    pFLAlign's β 0.5 is a series of its own (its ratio is another curve); a pFLAlign setting whose ratio
+    is not logged anywhere is left out."""
+    curves = {r.method: r for r in find_runs(HERE / "curves" / "runs")[0] if r.seed == 0}
+    validation = {r.method: r for r in find_runs(HERE / "validation" / "runs")[0]}
+    by_name: dict[str, list] = {}
+    for r in runs:
+        by_name.setdefault(r.method, []).append(r)
+    series: dict[str, list] = {}
+    for name, mine in by_name.items():
+        base = name.split("@")[0]
+        ratios = [x for x in map(step_ratio, mine) if x is not None]
+        if base == "pflalign" and not ratios:  # Table 1's: the curves run's re-make, else 10 validation rounds
+            stand_in = curves.get(name) or validation.get(f"{name}@lr={mine[0].config['lr']:g}")
+            ratios = [x for x in [step_ratio(stand_in) if stand_in else None] if x is not None]
+        if base == "pflalign" and not ratios:
+            continue
+        lr = mine[0].config["lr"]
+        beta = mine[0].config.get("method_args", {}).get("beta")
+        key = f"pflalign (β {beta:g})" if base == "pflalign" else base
+        avgs = [r.results["avg_rouge_l_personalized"] for r in mine]
+        step = lr * (statistics.fmean(ratios) if ratios else 1.0)
+        series.setdefault(key, []).append((step, statistics.fmean(avgs), ci95_half_width(avgs), f"{lr:g}"))
+    return {k: sorted(v) for k, v in series.items()}
+
+
+def full_figure() -> None:
+    runs = [r for r in find_runs(HERE / "runs")[0] if "personalized=" not in r.method]
+    if not runs:
+        return
+    for m in FULL_METHODS:
+        runs += find_runs(TABLE1 / "flan" / m)[0]
+    fig, ax = plt.subplots(figsize=(7.4, 4.2), layout="constrained")
+    for i, (key, points) in enumerate(full_points(runs).items()):
+        points = [(x * 1.025 ** (i - 2), *rest) for x, *rest in points]  # dodge: settings share an lr
+        st = style(key.split(" ")[0])
+        if key.startswith("pflalign") and "0.8" not in key:  # β 0.5 beside Table 1's β 0.8
+            st = {**st, "linestyle": "--", "color": "dimgray"}
+        x, y = [p[0] for p in points], [p[1] for p in points]
+        err = [p[2] or 0.0 for p in points]
+        name = label(key.split(" ")[0]) + key[len(key.split(" ")[0]):]
+        ax.errorbar(x, y, yerr=err, marker="o", markersize=3.5, capsize=2, label=name, **st)
+        for px, py, _, lr in (p for p in points if p[3] != "0.04"):  # the unmarked: Table 1's lr
+            ax.annotate(f"lr {lr}", (px, py), textcoords="offset points", xytext=(4, 3), fontsize=6.5, color=st["color"])
+    ax.set_xscale("log")
+    ax.set_xlabel("SGD-equivalent step: lr × mean ‖P⊙g‖/‖g‖ (pFLAlign), lr (the others)")
+    ax.set_ylabel("Avg personalized ROUGE-L (×100)\nmean over seeds ± 95% CI")
+    ax.grid(True, alpha=0.3)
+    ax.set_title("Full FLAN protocol, 50 rounds (unmarked points: lr 0.04)", fontsize=10)
+    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
+    fig.savefig(HERE / "effective-step.png", dpi=DPI)
+
+
+def main() -> None:
+    validation_figure()
+    full_figure()
 
 
 if __name__ == "__main__":
