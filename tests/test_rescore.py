@@ -71,3 +71,24 @@ def test_rescore_refuses_what_would_change_the_training(tmp_path, capsys):
     assert main(["rescore", str(source), "--out", str(tmp_path / "z"), "--set", "eval.max_new_tokens=2",
                  "--no-progress"]) == 0
     assert json.loads((tmp_path / "z" / ckpt.CONFIG).read_text())["eval"]["max_new_tokens"] == 2
+    assert json.loads((tmp_path / "z" / ckpt.RESULTS).read_text())["seconds_eval_by_model"]["global"] > 0
+
+
+def test_rescore_takes_the_global_models_generations_from_the_run_when_only_the_personal_choice_changes(tmp_path):
+    """Choosing another personalized model leaves the global one and the eval settings as they were,
+    so its generations are the source's: read from its files, not generated again (FedAvg's full
+    FLAN run at lr 0.006, issue 38: the global model's generation was 516 of the final evaluation's
+    1218 worker-seconds). Where the source's predictions are torn, it is generated again,
+    with the same outcome."""
+    source = tmp_path / "w_kT"
+    run(tiny_config(method="pflalign"), source, progress=False)
+    change = {"method_args": {"personalized": "after_aggregation"}}
+    reused = rescore(source, tmp_path / "a", change, progress=False)
+    assert reused["seconds_eval_by_model"]["global"] == 0.0 and reused["seconds_eval_by_model"]["personalized"] > 0
+    lines = (source / ckpt.PREDICTIONS).read_bytes().splitlines(keepends=True)
+    (source / ckpt.PREDICTIONS).write_bytes(b"".join(lines[:-1]))  # one client short of its test split
+    again = rescore(source, tmp_path / "b", change, progress=False)
+    assert again["seconds_eval_by_model"]["global"] > 0
+    strip = lambda r: {k: v for k, v in r.items() if k not in VOLATILE}  # noqa: E731
+    assert strip(again) == strip(reused)
+    assert (tmp_path / "a" / ckpt.PREDICTIONS).read_bytes() == (tmp_path / "b" / ckpt.PREDICTIONS).read_bytes()

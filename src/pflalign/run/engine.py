@@ -15,6 +15,8 @@ uses too).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import shlex
 import time
@@ -33,7 +35,7 @@ from ..settings import flat, merge
 from .data_cache import client_data
 from ..errors import OutOfMemory, RunInterrupted, TrainingDiverged, UserError
 from ..evaluate import add_exact_match
-from .lifecycle import LossWatch, Recorder, client_row, eval_clients, results_summary, sample_clients
+from .lifecycle import LossWatch, Recorder, client_row, eval_clients, results_summary, sample_clients, saved_config
 from ..methods.base import Method, Params, clone
 from ..model import build_model, resolve_device
 from ..partition import client_shares_described
@@ -255,11 +257,16 @@ class Federation:
                  "n_test": len(self.clients[k].data.test[:limit]), "rouge_l_personalized": p, "rouge_l_global": g}
                 for k, p, g in zip(self.eval_ids, scored["personalized"][0], scored["global"][0])]
 
-    def evaluate(self) -> tuple[dict, list[dict]]:
+    def evaluate(self, known: dict | None = None) -> tuple[dict, list[dict]]:
+        """The final scores and predictions of every scored client; `known`: {model: (scores, outputs)}
+        already scored under this very config (a rescore's global model), taken as they are."""
         cfg = self.cfg
         ids = self.eval_ids
+        known = known or {}
         # the base model's generations are cached across runs (model/base_cache.py): about 0 s then
-        scored = self._score(["personalized", "global", "base"] if cfg.eval.base_model else ["personalized", "global"])
+        models = ["personalized", "global", "base"] if cfg.eval.base_model else ["personalized", "global"]
+        scored = self._score([m for m in models if m not in known])
+        scored.update({m: (scores, outputs, 0.0) for m, (scores, outputs) in known.items()})
         none = [None] * len(ids)
         personal_scores, personal_out, _ = scored["personalized"]
         global_scores, global_out, _ = scored["global"]
@@ -365,12 +372,35 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         rec.close()
 
 
+def source_global_scores(source: Path, fed: "Federation") -> dict:
+    """{"global": (scores, outputs)} of the scored clients as the finished run `source` wrote them
+    (results.json, predictions.jsonl), for a rescore that changes only the method's evaluation
+    arguments: they pick the personalized model, the global one is the same tensors under the same
+    eval settings, so its generations are the source's. {} where the files do not hold them all."""
+    from .. import checkpoint as ckpt
+
+    try:
+        rows = {c["id"]: c.get("rouge_l_global") for c in json.loads((source / ckpt.RESULTS).read_text())["clients"]}
+        outputs: dict = {}
+        for p in ckpt.metrics_rows(source / ckpt.PREDICTIONS):
+            outputs.setdefault(p["client"], []).append(p["global"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    scores, outs = [], []
+    for k in fed.eval_ids:
+        c = fed.clients[k]
+        if rows.get(c.id) is None or len(outputs.get(c.id, [])) != len(c.data.test):
+            return {}
+        scores.append(rows[c.id])
+        outs.append(outputs[c.id])
+    return {"global": (scores, outs)}
+
+
 def rescored_config(source: Path, overrides: dict) -> RunConfig:
     """A finished run's config with `overrides` that change only what is evaluated: ``eval.*`` keys
     and the method's evaluation arguments (`Method.evaluation_args`, e.g. which model is the
     personalized one); anything that would have changed the training is refused."""
     from ..config import build_config
-    from .lifecycle import saved_config
     from ..methods import method_class
 
     saved = to_dict(saved_config(source))
@@ -417,7 +447,8 @@ def rescore(source: Path | str, out: Path | str, overrides: dict, overwrite: boo
                 if row.get("event") != "eval":  # the training's lines are the source's; the scores are new
                     rec.metrics.write(**row)
             tic = time.perf_counter()
-            results, predictions = fed.evaluate()
+            same_eval = dataclasses.asdict(cfg.eval) == dataclasses.asdict(saved_config(source).eval)
+            results, predictions = fed.evaluate(source_global_scores(source, fed) if same_eval else None)
             add_exact_match(results, predictions)
             export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated())
             return rec.finish(results, 0.0, time.perf_counter() - tic, predictions, rescored_from=str(source.resolve()),
