@@ -44,13 +44,18 @@ def table1(root: Path, pflalign=(48.0, 48.0, 48.0), fedavg=(49.0, 49.0, 49.0)) -
     return root
 
 
-def text(answers, tmp_path, analysis: dict, t1: dict | None = None, curves: dict | None = None) -> str:
+def text(answers, tmp_path, analysis: dict, t1: dict | None = None, curves: dict | None = None,
+         remake: dict | None = None) -> str:
     for name, avgs in analysis.items():
         put(tmp_path / "a", name, avgs)
     for name, (avgs, curve) in (curves or {}).items():
         put(tmp_path / "c", name, avgs, curve)
+    for name, avgs in (remake or {}).items():  # seeds 1, 2: seed 0's folder is left empty
+        put(tmp_path / "r", name, [0.0, *avgs])
+        for d in (tmp_path / "r" / "flan" / name / "seed0").iterdir():
+            d.unlink()
     table1(tmp_path / "t", **{"pflalign": (48.3, 48.0, 48.0), **(t1 or {})})
-    return answers.answers(tmp_path / "a", tmp_path / "t", tmp_path / "c")
+    return answers.answers(tmp_path / "a", tmp_path / "t", tmp_path / "c", tmp_path / "r")
 
 
 def section(text: str, number: int) -> str:
@@ -104,17 +109,22 @@ def test_question_3_ranks_against_table_1s_other_rows(answers, tmp_path):
     assert "Verdict: **the ranking changes** for pflalign@lr=0.33 (4 → 2) (2 setting(s) with 3 seeds)." in out
 
 
-def test_question_3_table_1s_own_row_from_the_curves_run_is_one_seed(answers, tmp_path):
-    out = section(text(answers, tmp_path, {}, curves={"pflalign": ([48.3], None),
-                                                      "pflalign@personalized=after_aggregation": ([49.6], None)}), 3)
-    assert "| pflalign (Table 1's, re-made by the curves run; one seed) | 0 | 48.30 | 4 of 5 | 49.60 | 2 of 5 |" in out
-    assert "Verdict: waiting" in out
+def test_question_3_table_1s_own_row_is_re_made_by_the_curves_and_remake_runs(answers, tmp_path):
+    curves = {"pflalign": ([48.3], None), "pflalign@personalized=after_aggregation": ([49.6], None)}
+    out = section(text(answers, tmp_path, {}, curves=curves), 3)
+    assert "| pflalign (Table 1's, re-made) | 0 | 48.30 | 4 of 5 | 49.60 | 2 of 5 |" in out
+    assert "Verdict: waiting" in out  # one seed of three
+    out = section(text(answers, tmp_path / "all", {}, curves=curves, remake={
+        "pflalign": [48.0, 48.0], "pflalign@personalized=after_aggregation": [49.6, 49.0]}), 3)
+    assert "| pflalign (Table 1's, re-made) | 0, 1, 2 | 48.10 | 4 of 5 | 49.40 | 3 of 5 |" in out
+    assert "Verdict: **the ranking changes** for pflalign (4 → 3) (1 setting(s) with 3 seeds)." in out
 
 
-def test_question_3_says_when_the_curves_run_does_not_re_make_table_1s(answers, tmp_path):
+def test_question_3_says_when_a_re_made_run_is_not_table_1s(answers, tmp_path):
     out = section(text(answers, tmp_path, {}, t1={"pflalign": (48.2, 48.0, 48.0)},
-                       curves={"pflalign": ([48.3], None), "pflalign@personalized=after_aggregation": ([49.6], None)}), 3)
-    assert "one seed; **its w_{k,T} Avg is not Table 1's seed 0**)" in out
+                       curves={"pflalign": ([48.3], None), "pflalign@personalized=after_aggregation": ([49.6], None)},
+                       remake={"pflalign": [48.0, 47.0], "pflalign@personalized=after_aggregation": [49.0, 49.0]}), 3)
+    assert "(Table 1's, re-made; **its w_{k,T} Avg is not Table 1's on seed 0, 2**)" in out
 
 
 @pytest.mark.parametrize("fedavg, pflalign, turn", [

@@ -255,7 +255,8 @@ def test_issue_38s_grid_files_plan_and_the_committed_runs_are_theirs(tmp_path):
     finished = set()
     for phase, done, data in (("validation", "validation/runs", "flan"), ("matched", "runs", "flan"),
                               ("components", "runs", "flan"), ("validated", "runs", "flan"),
-                              ("curves", "curves/runs", "flan"), ("short-runs", "short-runs/runs", "files")):
+                              ("curves", "curves/runs", "flan"), ("remake", "remake/runs", "flan"),
+                              ("short-runs", "short-runs/runs", "files")):
         if not (here / f"{phase}.toml").exists():  # written once the runs before it have decided its values
             continue
         runs = plan_sweep(str(here / f"{phase}.toml"), tmp_path / phase,

@@ -18,6 +18,7 @@ copy() {  # copy SRC_ROOT DST_ROOT
 copy "$RUNS-val" "$here/validation/runs"
 copy "$RUNS" "$here/runs"
 copy "$RUNS-curves" "$here/curves/runs"
+copy "$RUNS-remake" "$here/remake/runs"
 rel=${here#"$repo"/}  # relative paths: the committed report names no machine's folders
 "$PFL" report "$rel/validation/runs" --out "$rel/validation" >/dev/null && echo "report: $rel/validation"
 "$(dirname "$PFL")/python" "$here/effective_step.py" >/dev/null && echo "figures: $rel/validation/effective-step.png, $rel/effective-step.png"
@@ -39,8 +40,8 @@ if ls "$here"/curves/runs/flan/*/seed*/results.json >/dev/null 2>&1; then
 fi
 # the four questions by the fixed rules, from what is committed now (answers.md; "waiting" where seeds are missing)
 "$(dirname "$PFL")/python" "$here/answers.py" >/dev/null && echo "answers: $rel/answers.md"
-# the counts every closing note states (N = 33 full-protocol runs planned; the validation runs apart,
+# the counts every closing note states (N = 35 full-protocol runs planned: 33, and 2 re-made for question 3; the validation runs apart,
 # 33 new of 35 with the two copied from tune-flan; rescorings are not training runs)
 count() { find "$@" -name results.json 2>/dev/null | grep -vc "personalized=" ; }
-echo "full-protocol runs committed: $(count "$here/runs" "$here/curves/runs") of 33;" \
+echo "full-protocol runs committed: $(count "$here/runs" "$here/curves/runs" "$here/remake/runs") of 35;" \
      "validation runs: $(( $(count "$here/validation/runs") - 2 )) of 33 new"

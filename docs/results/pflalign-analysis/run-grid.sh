@@ -9,7 +9,7 @@
 #   sleep 5; echo 19 > /proc/$(pgrep -f 'run-grid.sh' | head -1)/autogroup
 #
 # and copy finished runs into the repo with collect.sh. PHASES="val matched ..." picks phases.
-# Folders: $RUNS-val (validation grid), $RUNS (matched, components, validated), $RUNS-curves.
+# Folders: $RUNS-val (validation grid), $RUNS (matched, components, validated), $RUNS-curves, $RUNS-remake.
 # PFL=path/to/pflalign runs another checkout's code (e.g. a worktree frozen at one commit, so
 # merges into this one do not reach a running grid); CONF=folder reads the sweep files and the
 # committed runs (--done) from another checkout (default: this folder), so a phase file written
@@ -23,7 +23,7 @@ RUNS=${RUNS:-$HOME/analysis-runs}
 DATA=${DATA:-$(cd "$repo/../shared/data/flan" 2>/dev/null && pwd)}
 PFL=${PFL:-$repo/.venv/bin/pflalign}
 WORKERS=${WORKERS:-2}
-PHASES=${PHASES:-"val matched components validated curves"}
+PHASES=${PHASES:-"val matched components validated curves remake"}
 
 sweep() {  # sweep FILE OUT DONE (DONE: the committed runs, passed once there are some)
   [ -f "$1" ] || { echo "skip $1 (not written yet)"; return 0; }
@@ -55,6 +55,9 @@ for phase in $PHASES; do
     curves)  # a folder of its own: its runs are Table 1's seed-0 configs (plus per-round scoring), named as its rows
          sweep "$here/curves.toml" "$RUNS-curves" "$here/curves/runs"
          rescore_all "$RUNS-curves" "$here/curves/runs" ;;
+    remake)  # Table 1's pFLAlign seeds 1-2 again, to be rescored (Table 1 kept no checkpoints); named as its rows too
+         sweep "$here/remake.toml" "$RUNS-remake" "$here/remake/runs"
+         rescore_all "$RUNS-remake" "$here/remake/runs" ;;
   esac
 done
 echo "== grid done ($(date -u +%H:%M))"
