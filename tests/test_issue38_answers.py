@@ -150,3 +150,14 @@ def test_the_committed_answers_are_the_scripts_output(answers):
     """answers.md is regenerated from the committed runs: an edit by hand, or runs committed without
     rerunning the script, fails here."""
     assert (HERE / "answers.md").read_text() == answers.answers()
+
+
+def test_long_run_advice_is_the_best_complete_setting(answers, tmp_path):
+    """Table 1's β 0.8 at 0.04 has 48.10 (48.3, 48, 48); lr 0.33 49.00; β 0.5 49.004, shown 49.00:
+    a tie, so the first listed (lr 0.33) is advised; with one setting short of seeds, nothing is."""
+    out = text(answers, tmp_path, {"pflalign@lr=0.33": [49.0] * 3, "pflalign@beta=0.5": [49.004] * 3,
+                                   "fedavg@lr=0.16": [50.0, 50.5, 49.5]}).split("## Long runs")[1]
+    assert "| β 0.8, lr 0.33 (4a) | 0, 1, 2 | 49.00 ± 0.00 | +0.00 ± 0.00 | -1.00 ± 1.24 |" in out
+    assert "Advised setting for 50 rounds: **β 0.8, lr 0.33 (4a)** (highest mean Avg, 49.00)." in out
+    out = text(answers, tmp_path / "short", {"pflalign@lr=0.33": [49.0] * 3}).split("## Long runs")[1]
+    assert "Advised setting: waiting (2 of 3 settings have 3 seeds)." in out
