@@ -302,6 +302,38 @@ def test_grid_points_of_a_method_get_their_own_rows(sweep_dir, tmp_path):
     assert names == ["FedAvg", "FedAvg (mu=0.1,x=2)"]
 
 
+def test_forty_rows_still_draw_every_figure_with_its_legend_in_columns(sweep_dir, tmp_path):
+    """A sweep's report holds forty rows (issue 38's validation grid: 42). Their legend once ran off
+    the bars and squeezed the scatter's axes to nothing (matplotlib: "axes sizes collapsed to zero");
+    now it is split into columns beside the axes and the figure widens by them."""
+    import shutil
+    import warnings
+
+    for i in range(40):
+        shutil.copytree(sweep_dir / "synthetic" / "fedavg" / "seed0", tmp_path / "runs" / "synthetic" / f"fedavg@lr={i + 1}" / "seed0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "r")]) == 0
+    folder = tmp_path / "r" / "synthetic"
+    for name in ("loss.png", "rouge_clients.png", "rouge_scatter.png", "sweeps.png"):
+        width, height = _png_size(folder / name)
+        assert width > 1.4 * height, name  # a legend of two or more columns beside the axes
+
+
+def test_legend_columns_follow_the_figures_height():
+    import matplotlib.pyplot as plt
+
+    from pflalign.analysis.figures import legend_outside
+
+    for entries, columns in ((5, 1), (20, 1), (40, 2), (90, 5)):  # 21 entries fit 4.2 inches at 8.5 pt
+        fig, ax = plt.subplots(figsize=(6.0, 4.2))
+        lines = [ax.plot([0, 1], [i, i], label=f"run {i}")[0] for i in range(entries)]
+        legend_outside(fig, lines, [line.get_label() for line in lines])
+        assert fig.legends[0]._ncols == columns, entries
+        assert fig.get_figwidth() == 6.0 if columns == 1 else fig.get_figwidth() > 6.0
+        plt.close(fig)
+
+
 def test_report_skips_missing_round_eval_with_a_note(sweep_dir, tmp_path):
     assert main(["report", str(sweep_dir / "synthetic" / "pflalign"), "--out", str(tmp_path)]) == 0
     report = (tmp_path / "report.md").read_text()

@@ -59,16 +59,32 @@ def _mean_curve(runs: list[Run], points) -> tuple[list, list]:
     return xs, [statistics.fmean(by_x[x]) for x in xs]
 
 
+SCATTER_LEGEND_INSIDE = 8  # methods whose legend fits in the scatter's empty upper-left corner
+
+
 def _moving_mean(xs: list, ys: list, window: int) -> tuple[list, list]:
     """Trailing mean over `window` points (from the window-th point on): a readable loss curve."""
     return xs[window - 1:], [statistics.fmean(ys[i - window + 1:i + 1]) for i in range(window - 1, len(ys))]
 
 
+LEGEND_FONT = 8.5  # points
+
+
+def legend_outside(fig, handles: list, labels: list, fontsize: float = LEGEND_FONT) -> None:
+    """A legend right of the axes, in as many columns as its entries need to fit the figure's
+    height (a sweep's report has forty rows: one column would run off the image)."""
+    fits = max(1, int(fig.get_figheight() * 72 / (fontsize * 1.6)) - 1)  # entry height ~1.6 x the font
+    ncols = max(1, math.ceil(len(labels) / fits))
+    if ncols > 1:  # widen the figure by the extra columns, so that the axes keep their width
+        column = (max(map(len, labels)) * 0.55 * fontsize + 30) / 72  # inches: text, marker and gap
+        fig.set_figwidth(fig.get_figwidth() + (ncols - 1) * column)
+    fig.legend(handles, labels, loc="outside right upper", fontsize=fontsize, frameon=False, ncols=ncols)
+
+
 def _finish(fig, axes, path: Path, title: str) -> bool:
     """The first panel's legend on the right, the title over a lone panel (clear of the legend)
     or over the figure; saved and closed."""
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=8.5, frameon=False)
+    legend_outside(fig, *axes[0][0].get_legend_handles_labels())
     if len(axes[0]) == 1:
         axes[0][0].set_title(title, fontsize=11)
     else:
@@ -148,7 +164,7 @@ def _rouge_bars(path: Path, tasks: list[str], rows: list[Row]) -> list[tuple[str
                   + ("; ▼ ▲: whisker cut at the axis" if cut else ""))
     ax.grid(True, axis="y", alpha=0.3)
     ax.set_axisbelow(True)
-    fig.legend(loc="outside right upper", fontsize=8.5, frameon=False)
+    legend_outside(fig, *ax.get_legend_handles_labels())
     ax.set_title("Personalized ROUGE-L per client", fontsize=11)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
@@ -215,11 +231,14 @@ def _rouge_scatter(path: Path, runs: list[Run]) -> bool:
     ax.set_xlim(0, top)
     ax.set_ylim(0, top)
     ax.set_aspect("equal")
-    ax.set_xlabel("global ROUGE-L (×100)" + (f"\npoints that coincide are spread on a ring of radius {radius:.2g} "
+    ax.set_xlabel("global ROUGE-L (×100)" + (f"\npoints that coincide are spread on a ring\nof radius {radius:.2g} "
                                                "around their value" if most > 1 else ""))
     ax.set_ylabel("personalized ROUGE-L (×100)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7.5, frameon=False, loc="upper left")
+    if len(by_method) <= SCATTER_LEGEND_INSIDE:
+        ax.legend(fontsize=7.5, frameon=False, loc="upper left")
+    else:  # inside, a sweep's forty rows would cover the points and squeeze the axes to nothing
+        legend_outside(fig, *ax.get_legend_handles_labels(), fontsize=7.5)
     ax.set_title("Per-client ROUGE-L: personalized vs global\n(above the line: personalization helped)", fontsize=10)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
