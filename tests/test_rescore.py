@@ -78,8 +78,8 @@ def test_rescore_takes_the_global_models_generations_from_the_run_when_only_the_
     """Choosing another personalized model leaves the global one and the eval settings as they were,
     so its generations are the source's: read from its files, not generated again (FedAvg's full
     FLAN run at lr 0.006, issue 38: the global model's generation was 516 of the final evaluation's
-    1218 worker-seconds). Where the source's predictions are torn, it is generated again,
-    with the same outcome."""
+    1218 worker-seconds). Where the source's predictions are torn or name other prompts, it is
+    generated again, with the same outcome."""
     source = tmp_path / "w_kT"
     run(tiny_config(method="pflalign"), source, progress=False)
     change = {"method_args": {"personalized": "after_aggregation"}}
@@ -92,3 +92,8 @@ def test_rescore_takes_the_global_models_generations_from_the_run_when_only_the_
     strip = lambda r: {k: v for k, v in r.items() if k not in VOLATILE}  # noqa: E731
     assert strip(again) == strip(reused)
     assert (tmp_path / "a" / ckpt.PREDICTIONS).read_bytes() == (tmp_path / "b" / ckpt.PREDICTIONS).read_bytes()
+    first = json.loads(lines[0])
+    first["prompt"] += " (another test split)"  # the same count of rows, not the same examples
+    (source / ckpt.PREDICTIONS).write_bytes(json.dumps(first).encode() + b"\n" + b"".join(lines[1:]))
+    other = rescore(source, tmp_path / "c", change, progress=False)
+    assert other["seconds_eval_by_model"]["global"] > 0 and strip(other) == strip(reused)

@@ -376,23 +376,23 @@ def source_global_scores(source: Path, fed: "Federation") -> dict:
     """{"global": (scores, outputs)} of the scored clients as the finished run `source` wrote them
     (results.json, predictions.jsonl), for a rescore that changes only the method's evaluation
     arguments: they pick the personalized model, the global one is the same tensors under the same
-    eval settings, so its generations are the source's. {} where the files do not hold them all."""
-    from .. import checkpoint as ckpt
-
+    eval settings, so its generations are the source's. {} where the files do not hold them all,
+    prompt for prompt."""
     try:
         rows = {c["id"]: c.get("rouge_l_global") for c in json.loads((source / ckpt.RESULTS).read_text())["clients"]}
-        outputs: dict = {}
+        written: dict = {}
         for p in ckpt.metrics_rows(source / ckpt.PREDICTIONS):
-            outputs.setdefault(p["client"], []).append(p["global"])
+            written.setdefault(p["client"], []).append((p["prompt"], p["global"]))
     except (OSError, ValueError, KeyError, TypeError):
         return {}
     scores, outs = [], []
     for k in fed.eval_ids:
         c = fed.clients[k]
-        if rows.get(c.id) is None or len(outputs.get(c.id, [])) != len(c.data.test):
+        mine = written.get(c.id, [])
+        if rows.get(c.id) is None or [prompt for prompt, _ in mine] != [ex.prompt for ex in c.data.test]:
             return {}
         scores.append(rows[c.id])
-        outs.append(outputs[c.id])
+        outs.append([output for _, output in mine])
     return {"global": (scores, outs)}
 
 
