@@ -66,7 +66,8 @@ FULL_METHODS = ["fedavg", "fedsa-lora", "feddyn", "local", "pflalign"]
 
 
 def full_points(runs) -> dict[str, list[tuple[float, float, float | None, str]]]:
-    """Series name → (SGD-equivalent step, mean Avg, its 95% CI half-width, lr) per setting, sorted by step.
+    """Series name → (SGD-equivalent step, mean Avg, its 95% CI half-width, "lr[, n seeds]") per setting,
+    sorted by step (the seeds said where fewer than 3).
     pFLAlign's β 0.5 is a series of its own (its ratio is another curve); a pFLAlign setting whose ratio
     is not logged anywhere is left out."""
     curves = {r.method: r for r in find_runs(HERE / "curves" / "runs")[0] if r.seed == 0}
@@ -88,7 +89,8 @@ def full_points(runs) -> dict[str, list[tuple[float, float, float | None, str]]]
         key = f"pflalign (β {beta:g})" if base == "pflalign" else base
         avgs = [r.results["avg_rouge_l_personalized"] for r in mine]
         step = lr * (statistics.fmean(ratios) if ratios else 1.0)
-        series.setdefault(key, []).append((step, statistics.fmean(avgs), ci95_half_width(avgs), f"{lr:g}"))
+        seeds = "" if len(mine) >= 3 else f", {len(mine)} seed{'s' if len(mine) > 1 else ''}"
+        series.setdefault(key, []).append((step, statistics.fmean(avgs), ci95_half_width(avgs), f"{lr:g}{seeds}"))
     return {k: sorted(v) for k, v in series.items()}
 
 
