@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pflalign.analysis.figures import DPI, style  # noqa: E402
+from pflalign.analysis.figures import DPI, legend_outside, style  # noqa: E402
 from pflalign.analysis.report import ci95_half_width, find_runs, summarize, sweeps  # noqa: E402
 from pflalign.methods import label  # noqa: E402
 
@@ -30,6 +30,17 @@ HERE = Path(__file__).resolve().parent
 def step_ratio(run) -> float | None:
     ratios = [m["step_ratio"] for m in run.events("client_round") if m.get("step_ratio") is not None]
     return statistics.fmean(ratios) if ratios else None
+
+
+def save(fig, ax, ylabel: str, title: str, path: Path) -> None:
+    """Both figures' common frame: a log x axis of the SGD-equivalent step, the legend outside."""
+    ax.set_xscale("log")
+    ax.set_xlabel("SGD-equivalent step: lr × mean ‖P⊙g‖/‖g‖ (pFLAlign), lr (the others)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title, fontsize=10)
+    legend_outside(fig, *ax.get_legend_handles_labels(), fontsize=8)
+    fig.savefig(path, dpi=DPI)
 
 
 def validation_figure() -> None:
@@ -51,13 +62,8 @@ def validation_figure() -> None:
             r = ratio[row.method]
             lines.append(f"| {label(s.name)} | {lr:g} | {'1 (SGD)' if r is None else f'{r:.3f}'} | {e:.2g} | "
                          f"{row.avg:.2f} |")
-    ax.set_xscale("log")
-    ax.set_xlabel("SGD-equivalent step: lr × mean ‖P⊙g‖/‖g‖ (pFLAlign), lr (the others)")
-    ax.set_ylabel("validation Avg, personalized ROUGE-L (×100)")
-    ax.grid(True, alpha=0.3)
-    ax.set_title("10-round validation protocol, seed 0 (diverged runs left out)", fontsize=10)
-    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
-    fig.savefig(HERE / "validation" / "effective-step.png", dpi=DPI)
+    save(fig, ax, "validation Avg, personalized ROUGE-L (×100)",
+         "10-round validation protocol, seed 0 (diverged runs left out)", HERE / "validation" / "effective-step.png")
     print("\n".join(lines))
 
 
@@ -103,22 +109,18 @@ def full_figure() -> None:
     fig, ax = plt.subplots(figsize=(7.4, 4.2), layout="constrained")
     for i, (key, points) in enumerate(full_points(runs).items()):
         points = [(x * 1.025 ** (i - 2), *rest) for x, *rest in points]  # dodge: settings share an lr
-        st = style(key.split(" ")[0])
-        if key.startswith("pflalign") and "0.8" not in key:  # β 0.5 beside Table 1's β 0.8
+        method = key.split(" ")[0]
+        st = style(method)
+        if method == "pflalign" and "0.8" not in key:  # β 0.5 beside Table 1's β 0.8
             st = {**st, "linestyle": "--", "color": "dimgray"}
         x, y = [p[0] for p in points], [p[1] for p in points]
         err = [p[2] or 0.0 for p in points]
-        name = label(key.split(" ")[0]) + key[len(key.split(" ")[0]):]
+        name = label(method) + key[len(method):]
         ax.errorbar(x, y, yerr=err, marker="o", markersize=3.5, capsize=2, label=name, **st)
         for px, py, _, lr in (p for p in points if p[3] != "0.04"):  # the unmarked: Table 1's lr
             ax.annotate(f"lr {lr}", (px, py), textcoords="offset points", xytext=(4, 3), fontsize=6.5, color=st["color"])
-    ax.set_xscale("log")
-    ax.set_xlabel("SGD-equivalent step: lr × mean ‖P⊙g‖/‖g‖ (pFLAlign), lr (the others)")
-    ax.set_ylabel("Avg personalized ROUGE-L (×100)\nmean over seeds ± 95% CI")
-    ax.grid(True, alpha=0.3)
-    ax.set_title("Full FLAN protocol, 50 rounds (unmarked points: lr 0.04)", fontsize=10)
-    fig.legend(loc="outside right upper", fontsize=8, frameon=False)
-    fig.savefig(HERE / "effective-step.png", dpi=DPI)
+    save(fig, ax, "Avg personalized ROUGE-L (×100)\nmean over seeds ± 95% CI",
+         "Full FLAN protocol, 50 rounds (unmarked points: lr 0.04)", HERE / "effective-step.png")
 
 
 def main() -> None:
