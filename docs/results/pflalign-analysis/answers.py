@@ -136,11 +136,10 @@ def step_size(runs) -> list[str]:
 
 
 def components(runs) -> list[str]:
+    diffs = [difference(runs, v, "pflalign") for v, _ in COMPONENTS]
     lines = ["## 2. Which component helps or hurts? (4c)", "",
-             *diff_table([(f"{v} − pFLAlign (without {what})", difference(runs, v, "pflalign"))
-                          for v, what in COMPONENTS]), ""]
-    for v, what in COMPONENTS:
-        d = difference(runs, v, "pflalign")
+             *diff_table([(f"{v} − pFLAlign (without {what})", d) for (v, what), d in zip(COMPONENTS, diffs)]), ""]
+    for (_, what), d in zip(COMPONENTS, diffs):
         if not d.complete:
             verdict = waiting([d])
         elif d.below_zero():
