@@ -161,3 +161,34 @@ def test_long_run_advice_is_the_best_complete_setting(answers, tmp_path):
     assert "Advised setting for 50 rounds: **β 0.8, lr 0.33 (4a)** (highest mean Avg, 49.00)." in out
     out = text(answers, tmp_path / "short", {"pflalign@lr=0.33": [49.0] * 3}).split("## Long runs")[1]
     assert "Advised setting: waiting (2 of 3 settings have 3 seeds)." in out
+
+
+def test_the_figure_draws_every_paired_difference_the_answers_rest_on(answers, tmp_path):
+    """answers.png's rows: Table 1's pFLAlign − FedAvg first, then the questions' comparisons in order,
+    planned rows with no seed yet included (drawn as "waiting"); Table 1's re-made row pairs the curves
+    run's seed 0 with the remake runs' seeds 1-2."""
+    for name, avgs in {"fedavg@lr=0.006": [48.0, 48.5, 47.0], "pflalign-no-precond": [50.0],
+                       "pflalign@lr=0.33": [49.0] * 3, "pflalign@lr=0.33,personalized=after_aggregation": [50.0] * 3,
+                       }.items():
+        put(tmp_path / "a", name, avgs)
+    put(tmp_path / "c", "pflalign", [48.3])
+    put(tmp_path / "c", "pflalign@personalized=after_aggregation", [49.3])
+    put(tmp_path / "r", "pflalign@personalized=after_aggregation", [0.0, 48.5, 48.0])
+    put(tmp_path / "r", "pflalign", [0.0, 48.0, 48.0])
+    for p in (*(tmp_path / "r" / "flan").glob("*/seed0/*"),):
+        p.unlink()
+    table1(tmp_path / "t", pflalign=(48.3, 48.0, 48.0))
+    _, runs, _, _, remade = answers.collected(tmp_path / "a", tmp_path / "t", tmp_path / "c", tmp_path / "r")
+    rows = {(group, label): (d.seeds, [round(x, 2) for x in d.diffs])
+            for group, label, d in answers.differences(runs, remade)}
+    assert list(rows)[:4] == [("Table 1 (lr 0.04)", "pFLAlign − FedAvg"), ("1", "pFLAlign lr 0.04 − FedAvg lr 0.006"),
+                              ("1", "pFLAlign lr 0.33 − FedAvg lr 0.04"), ("2", "pflalign-no-precond − pFLAlign")]
+    assert rows["Table 1 (lr 0.04)", "pFLAlign − FedAvg"] == ([0, 1, 2], [-0.7, -1.0, -1.0])
+    assert rows["1", "pFLAlign lr 0.04 − FedAvg lr 0.006"] == ([0, 1, 2], [0.3, -0.5, 1.0])
+    assert rows["2", "pflalign-no-precond − pFLAlign"] == ([0], [1.7])
+    assert rows["2", "pflalign-no-correction − pFLAlign"] == ([], [])
+    assert rows["3", "w^R + Δ_k − w_kT, Table 1 re-made"] == ([0, 1, 2], [1.0, 0.5, 0.0])
+    assert rows["3", "w^R + Δ_k − w_kT, pflalign@lr=0.33"] == ([0, 1, 2], [1.0, 1.0, 1.0])
+    assert ("4b", "pFLAlign β 0.5 − Local lr 0.16") in rows
+    answers.figure(answers.differences(runs, remade), tmp_path / "answers.png")
+    assert (tmp_path / "answers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,6 +1,7 @@
 """Issue 38's four questions answered by the rules README.md fixed before the runs, from the
 committed runs alone: each answer shows its numbers and the rule's verdict, or what it still waits
-for. Writes answers.md (collect.sh runs it after every collect) and prints it.
+for. Writes answers.md and answers.png, every paired difference in one figure (collect.sh runs it
+after every collect), and prints answers.md.
 
     .venv/bin/python docs/results/pflalign-analysis/answers.py
 
@@ -263,8 +264,54 @@ def lead(curves) -> list[str]:
     return lines + ["", f"Verdict: {verdict}."]
 
 
-def answers(analysis: Path = HERE / "runs", table1: Path = TABLE1, curves: Path = HERE / "curves" / "runs",
-            remake: Path = HERE / "remake" / "runs") -> str:
+def differences(runs, remade) -> list[tuple[str, str, Difference]]:
+    """Every paired difference the answers rest on, as (group, row label, difference), planned rows
+    included before any seed is in: answers.png draws them in this order."""
+    rows = [("Table 1 (lr 0.04)", "pFLAlign − FedAvg", difference(runs, "pflalign", "fedavg"))]
+    rows += [("1", text.split(" (")[0], difference(runs, a, b)) for a, b, text in MATCHED]
+    rows += [("2", f"{v} − pFLAlign", difference(runs, v, "pflalign")) for v, _ in COMPONENTS]
+    settings = [(n, runs) for n in sorted(runs) if n.startswith("pflalign") and RESCORED not in n and n != "pflalign"]
+    rows += [("3", f"w^R + Δ_k − w_kT, {'Table 1 re-made' if source is remade else name}",
+              difference(source, rescored_name(name), name)) for name, source in [("pflalign", remade), *settings]]
+    rows += [("4b", f"{pt} − {bt}", difference(runs, p, b)) for b, bt in OWN_LR for p, pt in OWN_LR_PFLALIGN]
+    return rows
+
+
+def figure(rows: list[tuple[str, str, Difference]], path: Path) -> None:
+    """A forest plot of `differences`: each row's seeds (small marks), mean and 95% interval, against 0;
+    a row with no seed in yet says "waiting", one with fewer than 3 says how many."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pflalign.analysis.figures import DPI
+
+    fig, ax = plt.subplots(figsize=(9, 0.3 * len(rows) + 1.6))
+    labels = []
+    for y, (group, text, d) in enumerate(rows):
+        labels.append(f"{group} · {text}" + ("" if d.complete or not d.diffs else f" ({len(d.seeds)} of 3 seeds)"))
+        if not d.diffs:
+            ax.text(0, y, " waiting", va="center", ha="left", fontsize=8, color="0.5")
+            continue
+        color = "C3" if d.complete and d.below_zero() else "C2" if d.complete and d.above_zero() else "C0"
+        ax.plot(d.diffs, [y] * len(d.diffs), "x", color=color, alpha=0.5, markersize=5)
+        ax.errorbar(d.mean, y, xerr=d.ci if d.ci is not None else None, fmt="o", color=color, capsize=3)
+    ax.axvline(0, color="0.3", linewidth=0.8, linestyle="--")
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("difference in Avg personalized ROUGE-L (points), paired by seed\n"
+                  "● mean ± 95% CI, × one seed; red / green: 3 seeds, interval below / above 0", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_title("Issue 38: the paired differences the answers rest on (by question)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def collected(analysis: Path, table1: Path, curves: Path, remake: Path):
+    """The committed runs by name and seed: Table 1's; Table 1's with the analysis runs; the curves
+    runs; Table 1's pFLAlign re-made (the curves run's seed 0 and the remake runs' seeds 1-2)."""
     def load(root: Path) -> dict[str, dict[int, Run]]:
         return by_name(find_runs(root)[0] if root.is_dir() else [])
 
@@ -274,10 +321,20 @@ def answers(analysis: Path = HERE / "runs", table1: Path = TABLE1, curves: Path 
     again = load(remake)
     remade = {name: {**made.get(name, {}), **again.get(name, {})}  # Table 1's pFLAlign: seed 0, then 1-2
               for name in ("pflalign", rescored_name("pflalign")) if name in made or name in again}
+    return t1, runs, made, again, remade
+
+
+ROOTS = (HERE / "runs", TABLE1, HERE / "curves" / "runs", HERE / "remake" / "runs")
+
+
+def answers(analysis: Path = ROOTS[0], table1: Path = ROOTS[1], curves: Path = ROOTS[2],
+            remake: Path = ROOTS[3]) -> str:
+    t1, runs, made, again, remade = collected(analysis, table1, curves, remake)
     out = ["# Issue 38: the answers by the fixed rules", "",
            "Made by [answers.py](answers.py) from the committed runs (rules: [README.md](README.md) and the "
            "script's docstring); Avg is the mean personalized ROUGE-L over the four clients, differences "
-           "are paired by seed. Do not edit: collect.sh rewrites it.", ""]
+           "are paired by seed. Do not edit: collect.sh rewrites it. Every paired difference below, in one "
+           "figure: [answers.png](answers.png).", ""]
     out += step_size(runs) + [""] + components(runs) + [""] + personalized_model(runs, t1, remade) + [""] + lead(made)
     out += [""] + long_run_advice(runs)
     bad = diverged(runs, [n for n in runs if n not in t1]) + diverged(made, list(made)) + diverged(again, list(again))
@@ -289,4 +346,6 @@ def answers(analysis: Path = HERE / "runs", table1: Path = TABLE1, curves: Path 
 if __name__ == "__main__":
     text = answers()
     (HERE / "answers.md").write_text(text)
+    _, runs, _, _, remade = collected(*ROOTS)
+    figure(differences(runs, remade), HERE / "answers.png")
     print(text, end="")

@@ -39,7 +39,7 @@ if ls "$here"/curves/runs/flan/*/seed*/results.json >/dev/null 2>&1; then
   "$PFL" report "$rel/curves/runs" --out "$rel/curves" >/dev/null && echo "report: $rel/curves"
 fi
 # the four questions by the fixed rules, from what is committed now (answers.md; "waiting" where seeds are missing)
-"$(dirname "$PFL")/python" "$here/answers.py" >/dev/null && echo "answers: $rel/answers.md"
+"$(dirname "$PFL")/python" "$here/answers.py" >/dev/null && echo "answers: $rel/answers.md, $rel/answers.png"
 # the counts every closing note states (N = 35 full-protocol runs planned: 33, and 2 re-made for question 3; the validation runs apart,
 # 33 new of 35 with the two copied from tune-flan; rescorings are not training runs)
 count() { find "$@" -name results.json 2>/dev/null | grep -vc "personalized=" ; }
