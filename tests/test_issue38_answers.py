@@ -189,6 +189,7 @@ def test_the_figure_draws_every_paired_difference_the_answers_rest_on(answers, t
     assert rows["2", "pflalign-no-correction − pFLAlign"] == ([], [])
     assert rows["3", "w^R + Δ_k − w_kT, Table 1 re-made"] == ([0, 1, 2], [1.0, 0.5, 0.0])
     assert rows["3", "w^R + Δ_k − w_kT, pflalign@lr=0.33"] == ([0, 1, 2], [1.0, 1.0, 1.0])
+    assert rows["3", "w^R + Δ_k − w_kT, pflalign@beta=0.5"] == ([], [])  # planned, not run yet
     assert ("4b", "pFLAlign β 0.5 − Local lr 0.16") in rows
     answers.figure(answers.differences(runs, remade), tmp_path / "answers.png")
     assert (tmp_path / "answers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

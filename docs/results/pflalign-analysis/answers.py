@@ -270,9 +270,11 @@ def differences(runs, remade) -> list[tuple[str, str, Difference]]:
     rows = [("Table 1 (lr 0.04)", "pFLAlign − FedAvg", difference(runs, "pflalign", "fedavg"))]
     rows += [("1", text.split(" (")[0], difference(runs, a, b)) for a, b, text in MATCHED]
     rows += [("2", f"{v} − pFLAlign", difference(runs, v, "pflalign")) for v, _ in COMPONENTS]
-    settings = [(n, runs) for n in sorted(runs) if n.startswith("pflalign") and RESCORED not in n and n != "pflalign"]
+    planned = {"pflalign@lr=0.33", "pflalign@beta=0.5", *(v for v, _ in COMPONENTS)}
+    settings = sorted(planned | {n for n in runs if n.startswith("pflalign") and RESCORED not in n} - {"pflalign"})
     rows += [("3", f"w^R + Δ_k − w_kT, {'Table 1 re-made' if source is remade else name}",
-              difference(source, rescored_name(name), name)) for name, source in [("pflalign", remade), *settings]]
+              difference(source, rescored_name(name), name))
+             for name, source in [("pflalign", remade), *((n, runs) for n in settings)]]
     rows += [("4b", f"{pt} − {bt}", difference(runs, p, b)) for b, bt in OWN_LR for p, pt in OWN_LR_PFLALIGN]
     return rows
 
