@@ -187,6 +187,7 @@ def test_the_figure_draws_every_paired_difference_the_answers_rest_on(answers, t
     assert rows["1", "pFLAlign lr 0.04 − FedAvg lr 0.006"] == ([0, 1, 2], [0.3, -0.5, 1.0])
     assert rows["2", "pflalign-no-precond − pFLAlign"] == ([0], [1.7])
     assert rows["2", "pflalign-no-correction − pFLAlign"] == ([], [])
+    assert rows["2", "pflalign-no-precond − FedAvg (lr 0.04)"] == ([0], [1.0])  # the part that is not a step size
     assert rows["3", "w^R + Δ_k − w_kT, Table 1 re-made"] == ([0, 1, 2], [1.0, 0.5, 0.0])
     assert rows["3", "w^R + Δ_k − w_kT, pflalign@lr=0.33"] == ([0, 1, 2], [1.0, 1.0, 1.0])
     assert rows["3", "w^R + Δ_k − w_kT, pflalign@beta=0.5"] == ([], [])  # planned, not run yet

@@ -150,6 +150,11 @@ def components(runs) -> list[str]:
         else:
             verdict = "no effect shown at 3 seeds (the interval spans 0)"
         lines.append(f"- {what}: {verdict}.")
+    beside = difference(runs, "pflalign-no-precond", "fedavg")
+    lines += ["", "Beside it (no rule: shown, not judged): with P ≡ 1 the variant takes FedAvg's full step plus "
+              "pFLAlign's personal start and correction, so against FedAvg at the same lr it shows the part of "
+              "the method that is not a step size (the issue's 4c).", "",
+              *diff_table([("pflalign-no-precond − FedAvg (both lr 0.04)", beside)])]
     return lines
 
 
@@ -270,6 +275,7 @@ def differences(runs, remade) -> list[tuple[str, str, Difference]]:
     rows = [("Table 1 (lr 0.04)", "pFLAlign − FedAvg", difference(runs, "pflalign", "fedavg"))]
     rows += [("1", text.split(" (")[0], difference(runs, a, b)) for a, b, text in MATCHED]
     rows += [("2", f"{v} − pFLAlign", difference(runs, v, "pflalign")) for v, _ in COMPONENTS]
+    rows += [("2", "pflalign-no-precond − FedAvg (lr 0.04)", difference(runs, "pflalign-no-precond", "fedavg"))]
     planned = {"pflalign@lr=0.33", "pflalign@beta=0.5", *(v for v, _ in COMPONENTS)}
     settings = sorted(planned | {n for n in runs if n.startswith("pflalign") and RESCORED not in n} - {"pflalign"})
     rows += [("3", f"w^R + Δ_k − w_kT, {'Table 1 re-made' if source is remade else name}",
