@@ -41,6 +41,8 @@ COMPONENTS = [("pflalign-no-precond", "the preconditioner: P ≡ 1"),
 OWN_LR = [("fedavg@lr=0.16", "FedAvg lr 0.16"), ("fedsa-lora@lr=0.16", "FedSA-LoRA lr 0.16"),
           ("feddyn@lr=0.02", "FedDyn lr 0.02"), ("local@lr=0.16", "Local lr 0.16")]
 OWN_LR_PFLALIGN = [("pflalign", "pFLAlign β 0.8"), ("pflalign@beta=0.5", "pFLAlign β 0.5")]
+# beside question 2, shown and not judged: P = 1 against FedAvg at the same lr, the part that is not a step size
+NO_PRECOND_VS_FEDAVG = ("pflalign-no-precond", "fedavg")
 
 
 @dataclass
@@ -150,7 +152,7 @@ def components(runs) -> list[str]:
         else:
             verdict = "no effect shown at 3 seeds (the interval spans 0)"
         lines.append(f"- {what}: {verdict}.")
-    beside = difference(runs, "pflalign-no-precond", "fedavg")
+    beside = difference(runs, *NO_PRECOND_VS_FEDAVG)
     lines += ["", "Beside it (no rule: shown, not judged): with P ≡ 1 the variant takes FedAvg's full step plus "
               "pFLAlign's personal start and correction, so against FedAvg at the same lr it shows the part of "
               "the method that is not a step size (the issue's 4c).", "",
@@ -275,7 +277,7 @@ def differences(runs, remade) -> list[tuple[str, str, Difference]]:
     rows = [("Table 1 (lr 0.04)", "pFLAlign − FedAvg", difference(runs, "pflalign", "fedavg"))]
     rows += [("1", text.split(" (")[0], difference(runs, a, b)) for a, b, text in MATCHED]
     rows += [("2", f"{v} − pFLAlign", difference(runs, v, "pflalign")) for v, _ in COMPONENTS]
-    rows += [("2", "pflalign-no-precond − FedAvg (lr 0.04)", difference(runs, "pflalign-no-precond", "fedavg"))]
+    rows += [("2", "pflalign-no-precond − FedAvg (lr 0.04)", difference(runs, *NO_PRECOND_VS_FEDAVG))]
     planned = {"pflalign@lr=0.33", "pflalign@beta=0.5", *(v for v, _ in COMPONENTS)}
     settings = sorted(planned | {n for n in runs if n.startswith("pflalign") and RESCORED not in n} - {"pflalign"})
     rows += [("3", f"w^R + Δ_k − w_kT, {'Table 1 re-made' if source is remade else name}",
@@ -337,7 +339,10 @@ ROOTS = (HERE / "runs", TABLE1, HERE / "curves" / "runs", HERE / "remake" / "run
 
 def answers(analysis: Path = ROOTS[0], table1: Path = ROOTS[1], curves: Path = ROOTS[2],
             remake: Path = ROOTS[3]) -> str:
-    t1, runs, made, again, remade = collected(analysis, table1, curves, remake)
+    return answers_text(*collected(analysis, table1, curves, remake))
+
+
+def answers_text(t1, runs, made, again, remade) -> str:
     out = ["# Issue 38: the answers by the fixed rules", "",
            "Made by [answers.py](answers.py) from the committed runs (rules: [README.md](README.md) and the "
            "script's docstring); Avg is the mean personalized ROUGE-L over the four clients, differences "
@@ -352,8 +357,8 @@ def answers(analysis: Path = ROOTS[0], table1: Path = ROOTS[1], curves: Path = R
 
 
 if __name__ == "__main__":
-    text = answers()
+    t1, runs, made, again, remade = collected(*ROOTS)  # read once for both files
+    text = answers_text(t1, runs, made, again, remade)
     (HERE / "answers.md").write_text(text)
-    _, runs, _, _, remade = collected(*ROOTS)
     figure(differences(runs, remade), HERE / "answers.png")
     print(text, end="")
