@@ -13,7 +13,8 @@
 # PFL=path/to/pflalign runs another checkout's code (e.g. a worktree frozen at one commit, so
 # merges into this one do not reach a running grid); CONF=folder reads the sweep files and the
 # committed runs (--done) from another checkout (default: this folder), so a phase file written
-# after the start is found.
+# after the start is found. PY=python reads finished runs with another checkout's pflalign (its
+# analysis code; the frozen code may predate it).
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
@@ -22,13 +23,29 @@ here=${CONF:-$here}
 RUNS=${RUNS:-$HOME/analysis-runs}
 DATA=${DATA:-$(cd "$repo/../shared/data/flan" 2>/dev/null && pwd)}
 PFL=${PFL:-$repo/.venv/bin/pflalign}
+PY=${PY:-$(dirname "$PFL")/python}  # reads finished runs (the seed-0 divergence test) with this checkout's pflalign
 WORKERS=${WORKERS:-2}
 PHASES=${PHASES:-"val matched components validated curves remake"}
 
-sweep() {  # sweep FILE OUT DONE (DONE: the committed runs, passed once there are some)
+sweep() {  # sweep FILE OUT DONE [ARGS...] (DONE: the committed runs, passed once there are some)
   [ -f "$1" ] || { echo "skip $1 (not written yet)"; return 0; }
-  local done=(); [ -d "$3" ] && done=(--done "$3")
-  "$PFL" sweep --config "$1" --data-dir "$DATA" --out "$2" "${done[@]}" --no-progress --workers "$WORKERS"
+  local file=$1 out=$2 done=(); [ -d "$3" ] && done=(--done "$3"); shift 3
+  "$PFL" sweep --config "$file" --data-dir "$DATA" --out "$out" "${done[@]}" --no-progress --workers "$WORKERS" "$@"
+}
+
+diverged_seed0() {  # the methods of sweep file $1 whose seed-0 run (under $2, or committed under $3) diverged
+  "$PY" - "$@" "$DATA" <<'PY'
+import sys
+from pathlib import Path
+from pflalign.analysis.report import divergence, find_runs
+from pflalign.sweep import plan_sweep
+file, out, committed, data = sys.argv[1:]
+done = [committed] if Path(committed).is_dir() else []
+for planned in plan_sweep(file, out, data_dir=data, seeds=[0], done=done):
+    folder = planned.done or planned.out
+    if (folder / "results.json").is_file() and any(divergence(r) for r in find_runs(folder)[0]):
+        print(planned.cfg.method)
+PY
 }
 
 rescore_all() {  # every finished pFLAlign run (and variant) under $1, scored with w^R + Delta_k too
@@ -49,8 +66,15 @@ for phase in $PHASES; do
   case $phase in
     val) sweep "$here/validation.toml" "$RUNS-val" "$here/validation/runs"
          rescore_all "$RUNS-val" "$here/validation/runs" ;;
-    matched|components|validated)
+    matched|components)
          sweep "$here/$phase.toml" "$RUNS" "$here/runs"
+         rescore_all "$RUNS" "$here/runs" ;;
+    validated)  # every method's seed 0 first: seeds 1-2 are kept only if seed 0 does not diverge (README's rule)
+         sweep "$here/validated.toml" "$RUNS" "$here/runs" --seeds 0
+         bad=$(diverged_seed0 "$here/validated.toml" "$RUNS" "$here/runs")
+         keep=$(grep -o '"[a-z-]*"' <<<"$(grep '^methods' "$here/validated.toml")" | tr -d '"' | grep -vxF "${bad:-none}" | paste -sd,)
+         [ -n "$bad" ] && echo "seed 0 diverged, seeds 1-2 held back (the next lr in validation order is the rule's): $bad"
+         [ -n "$keep" ] && sweep "$here/validated.toml" "$RUNS" "$here/runs" --methods "$keep"
          rescore_all "$RUNS" "$here/runs" ;;
     curves)  # a folder of its own: its runs are Table 1's seed-0 configs (plus per-round scoring), named as its rows
          sweep "$here/curves.toml" "$RUNS-curves" "$here/curves/runs"
