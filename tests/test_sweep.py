@@ -1,6 +1,10 @@
 """`pflalign sweep`: the grid, skipping finished runs, resuming an unfinished one, bad configs."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,8 +123,6 @@ def test_grid_takes_run_config_keys_such_as_the_learning_rate(sweep_file, tmp_pa
 def test_finished_runs_kept_elsewhere_count_as_finished(sweep_file, tmp_path, capsys):
     """--done: the small files of a finished run, copied elsewhere (as committed results are),
     make the sweep skip that run; a copy made with other settings is refused."""
-    import shutil
-
     made = plan_sweep(str(sweep_file), tmp_path / "first")[0]
     run(made.cfg, made.out, progress=False)
     kept = tmp_path / "kept" / "synth" / "fedavg" / "seed0"
@@ -301,6 +303,45 @@ def test_issue_38s_validated_runs_follow_the_validation_grid(tmp_path):
     got = {(r.cfg.method, r.cfg.lr, r.cfg.method_args.get("beta") if r.cfg.method == "pflalign" else None)
            for r in runs}
     assert got == wanted and {r.cfg.seed for r in runs} == {0, 1, 2} and {r.cfg.rounds for r in runs} == {50}
+
+
+@pytest.mark.parametrize("diverged, unreadable", [([], False), (["fedavg"], False), (["fedavg", "local"], False),
+                                                   ([], True)])
+def test_issue_38s_grid_holds_back_seeds_1_2_of_a_method_whose_seed_0_diverged(tmp_path, diverged, unreadable):
+    """run-grid.sh's validated phase (the real script and validated.toml, a stand-in pflalign that
+    logs its calls): every method's seed 0 first, then seeds 1-2 only of the methods whose seed 0
+    did not diverge (README's rule: a validated lr is kept only if its seed 0 holds); none at all
+    when a seed-0 run cannot be read (it is not taken for one that held)."""
+    here = Path(__file__).resolve().parents[1] / "docs" / "results" / "pflalign-analysis"
+    if not (here / "validated.toml").exists():
+        pytest.skip("validated.toml is written once 4b's validation grid is in")
+    conf, runs, calls = tmp_path / "conf", tmp_path / "runs", tmp_path / "calls.txt"
+    conf.mkdir()
+    shutil.copy(here / "validated.toml", conf)
+    planned = plan_sweep(str(conf / "validated.toml"), runs, data_dir=str(tmp_path), seeds=[0])
+    for r in planned:  # seed 0 of each method finished, its loss 2 -> 1, or 2 -> 9 where it diverged
+        r.out.mkdir(parents=True)
+        last = 9.0 if r.cfg.method in diverged else 1.0
+        avg = None if unreadable else 1.0
+        (r.out / ckpt.RESULTS).write_text(json.dumps({"method": r.cfg.method, "seed": 0, "avg_rouge_l_personalized": avg,
+                                                      "clients": [{"id": 0, "task": "t", "rouge_l_personalized": 1.0}]}))
+        (r.out / ckpt.CONFIG).write_text("{}")
+        (r.out / ckpt.METRICS).write_text("".join(json.dumps({"event": "round", "round": i, "mean_loss": x}) + "\n"
+                                                  for i, x in enumerate([2.0, last])))
+    fake = tmp_path / "pflalign"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PHASES": "validated", "CONF": str(conf), "RUNS": str(runs), "PFL": str(fake),
+           "PY": sys.executable, "DATA": str(tmp_path)}
+    out = subprocess.run(["bash", str(here / "run-grid.sh")], env=env, capture_output=True, text=True, check=True)
+    first, *rest = [c for c in calls.read_text().splitlines() if c.startswith("sweep")]
+    assert first.startswith("sweep --config") and first.endswith("--seeds 0")
+    if unreadable:
+        assert rest == [] and "no seed 1-2 run started" in out.stdout and "no average personalized score" in out.stderr
+        return
+    kept = [m for m in ["fedavg", "fedsa-lora", "feddyn", "local", "pflalign"] if m not in diverged]
+    assert rest == [first.replace("--seeds 0", f"--methods {','.join(kept)}")]
+    assert ("held back" in out.stdout) == bool(diverged) and all(m in out.stdout for m in diverged)
 
 
 def test_validated_plan_by_the_rule_on_made_up_sweeps(tmp_path):

@@ -34,17 +34,22 @@ sweep() {  # sweep FILE OUT DONE [ARGS...] (DONE: the committed runs, passed onc
 }
 
 diverged_seed0() {  # the methods of sweep file $1 whose seed-0 run (under $2, or committed under $3) diverged
-  "$PY" - "$@" "$DATA" <<'PY'
+  "$PY" - "$@" <<'PY'
 import sys
 from pathlib import Path
 from pflalign.analysis.report import divergence, find_runs
 from pflalign.sweep import plan_sweep
-file, out, committed, data = sys.argv[1:]
-done = [committed] if Path(committed).is_dir() else []
-for planned in plan_sweep(file, out, data_dir=data, seeds=[0], done=done):
-    folder = planned.done or planned.out
-    if (folder / "results.json").is_file() and any(divergence(r) for r in find_runs(folder)[0]):
-        print(planned.cfg.method)
+file, *roots = sys.argv[1:]
+# planned into a folder that does not exist: only the runs' names are wanted, not plan_sweep's check
+# of finished runs against this checkout's config (the grid's frozen code may write older configs)
+for planned in plan_sweep(file, "/nonexistent/plan", data_dir="/nonexistent/data", seeds=[0]):
+    found = [Path(root) / planned.key for root in roots if (Path(root) / planned.key / "results.json").is_file()]
+    if found:
+        runs, notes = find_runs(found[0])
+        if not runs:  # a run that cannot be read is not taken for one that held
+            sys.exit("; ".join(notes) or f"{found[0]}: no run")
+        if divergence(runs[0]):
+            print(planned.cfg.method)
 PY
 }
 
@@ -71,10 +76,13 @@ for phase in $PHASES; do
          rescore_all "$RUNS" "$here/runs" ;;
     validated)  # every method's seed 0 first: seeds 1-2 are kept only if seed 0 does not diverge (README's rule)
          sweep "$here/validated.toml" "$RUNS" "$here/runs" --seeds 0
-         bad=$(diverged_seed0 "$here/validated.toml" "$RUNS" "$here/runs")
-         keep=$(grep -o '"[a-z-]*"' <<<"$(grep '^methods' "$here/validated.toml")" | tr -d '"' | grep -vxF "${bad:-none}" | paste -sd,)
-         [ -n "$bad" ] && echo "seed 0 diverged, seeds 1-2 held back (the next lr in validation order is the rule's): $bad"
-         [ -n "$keep" ] && sweep "$here/validated.toml" "$RUNS" "$here/runs" --methods "$keep"
+         if bad=$(diverged_seed0 "$here/validated.toml" "$RUNS" "$here/runs"); then
+           keep=$(grep -o '"[a-z-]*"' <<<"$(grep '^methods' "$here/validated.toml")" | tr -d '"' | grep -vxF "${bad:-none}" | paste -sd,)
+           [ -n "$bad" ] && echo "seed 0 diverged, seeds 1-2 held back (the next lr in validation order is the rule's): $bad"
+           [ -n "$keep" ] && sweep "$here/validated.toml" "$RUNS" "$here/runs" --methods "$keep"
+         else
+           echo "the seed-0 divergence test failed (above): no seed 1-2 run started"
+         fi
          rescore_all "$RUNS" "$here/runs" ;;
     curves)  # a folder of its own: its runs are Table 1's seed-0 configs (plus per-round scoring), named as its rows
          sweep "$here/curves.toml" "$RUNS-curves" "$here/curves/runs"
