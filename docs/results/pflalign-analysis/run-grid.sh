@@ -9,7 +9,8 @@
 #   sleep 5; echo 19 > /proc/$(pgrep -f 'run-grid.sh' | head -1)/autogroup
 #
 # and copy finished runs into the repo with collect.sh. PHASES="val matched ..." picks phases.
-# Folders: $RUNS-val (validation grid), $RUNS (matched, components, validated), $RUNS-curves, $RUNS-remake.
+# Folders: $RUNS-val (validation grid), $RUNS (matched, components, validated, validated-next), $RUNS-curves,
+# $RUNS-remake.
 # PFL=path/to/pflalign runs another checkout's code (e.g. a worktree frozen at one commit, so
 # merges into this one do not reach a running grid); CONF=folder reads the sweep files and the
 # committed runs (--done) from another checkout (default: this folder), so a phase file written
@@ -25,7 +26,7 @@ DATA=${DATA:-$(cd "$repo/../shared/data/flan" 2>/dev/null && pwd)}
 PFL=${PFL:-$repo/.venv/bin/pflalign}
 PY=${PY:-$(dirname "$PFL")/python}  # reads finished runs (the seed-0 divergence test) with this checkout's pflalign
 WORKERS=${WORKERS:-2}
-PHASES=${PHASES:-"val matched components validated curves remake"}
+PHASES=${PHASES:-"val matched components validated validated-next curves remake"}
 
 sweep() {  # sweep FILE OUT DONE [ARGS...] (DONE: the committed runs, passed once there are some)
   [ -f "$1" ] || { echo "skip $1 (not written yet)"; return 0; }
@@ -53,6 +54,19 @@ for planned in plan_sweep(file, "/nonexistent/plan", data_dir="/nonexistent/data
 PY
 }
 
+seed0_first() {  # seed0_first FILE: every method's seed 0, then seeds 1-2 of those whose seed 0 did not diverge
+  [ -f "$1" ] || { echo "skip $1 (not written yet)"; return 0; }
+  sweep "$1" "$RUNS" "$here/runs" --seeds 0
+  local bad keep
+  if ! bad=$(diverged_seed0 "$1" "$RUNS" "$here/runs"); then
+    echo "the seed-0 divergence test failed (above): no seed 1-2 run of $(basename "$1") started"; return 0
+  fi
+  keep=$(grep -o '"[a-z-]*"' <<<"$(grep '^methods' "$1")" | tr -d '"' | grep -vxF "${bad:-none}" | paste -sd,)
+  [ -n "$bad" ] && echo "seed 0 diverged, seeds 1-2 held back (README's rule: the next lr in validation order): $bad"
+  [ -n "$keep" ] && sweep "$1" "$RUNS" "$here/runs" --methods "$keep"
+  return 0
+}
+
 rescore_all() {  # every finished pFLAlign run (and variant) under $1, scored with w^R + Delta_k too
   for r in "$1"/flan/pflalign*/seed*; do
     [ -f "$r/results.json" ] || continue
@@ -74,15 +88,8 @@ for phase in $PHASES; do
     matched|components)
          sweep "$here/$phase.toml" "$RUNS" "$here/runs"
          rescore_all "$RUNS" "$here/runs" ;;
-    validated)  # every method's seed 0 first: seeds 1-2 are kept only if seed 0 does not diverge (README's rule)
-         sweep "$here/validated.toml" "$RUNS" "$here/runs" --seeds 0
-         if bad=$(diverged_seed0 "$here/validated.toml" "$RUNS" "$here/runs"); then
-           keep=$(grep -o '"[a-z-]*"' <<<"$(grep '^methods' "$here/validated.toml")" | tr -d '"' | grep -vxF "${bad:-none}" | paste -sd,)
-           [ -n "$bad" ] && echo "seed 0 diverged, seeds 1-2 held back (the next lr in validation order is the rule's): $bad"
-           [ -n "$keep" ] && sweep "$here/validated.toml" "$RUNS" "$here/runs" --methods "$keep"
-         else
-           echo "the seed-0 divergence test failed (above): no seed 1-2 run started"
-         fi
+    validated|validated-next)  # validated-next: the next lr of a method whose validated lr's seed 0 diverged
+         seed0_first "$here/$phase.toml"
          rescore_all "$RUNS" "$here/runs" ;;
     curves)  # a folder of its own: its runs are Table 1's seed-0 configs (plus per-round scoring), named as its rows
          sweep "$here/curves.toml" "$RUNS-curves" "$here/curves/runs"
