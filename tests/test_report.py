@@ -463,6 +463,40 @@ def test_the_loss_figure_turns_logarithmic_when_a_run_blows_up(sweep_dir, tmp_pa
     assert [v for ylabel, v in scales if ylabel.startswith("training loss")] == ["log"]
 
 
+def test_training_figures_draw_a_rescored_run_once(sweep_dir, tmp_path, monkeypatch):
+    """`pflalign rescore` keeps its source's training lines: the figures of training (GSNR, step,
+    loss, consistency, per-round ROUGE-L) draw the source only, while the table keeps both rows; a
+    rescoring whose source is not in the report keeps its curves."""
+    import shutil
+
+    from pflalign.analysis import figures
+    from pflalign.run.engine import rescore
+
+    root = tmp_path / "runs" / "synthetic"
+    shutil.copytree(sweep_dir / "synthetic" / "pflalign", root / "pflalign")
+    for seed in (0, 1):
+        rescore(root / "pflalign" / f"seed{seed}", root / "pflalign@personalized=after_aggregation" / f"seed{seed}",
+                {"method_args": {"personalized": "after_aggregation"}}, progress=False)
+    drawn = {}
+    line_figure = figures._line_figure
+
+    def spy(path, curves, *args, **kwargs):
+        drawn[path.name] = sorted(curves)
+        return line_figure(path, curves, *args, **kwargs)
+
+    monkeypatch.setattr(figures, "_line_figure", spy)
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "both")]) == 0
+    assert {"gsnr.png", "step.png", "loss.png", "consistency.png", "rouge_rounds.png"} <= set(drawn)
+    assert all(methods == ["pflalign"] for methods in drawn.values()), drawn
+    rows = (tmp_path / "both" / "synthetic" / "table.md").read_text()
+    assert "pFLAlign (personalized=after_aggregation)" in rows
+
+    drawn.clear()
+    shutil.rmtree(root / "pflalign")
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "alone")]) == 0
+    assert drawn["loss.png"] == ["pflalign@personalized=after_aggregation"]
+
+
 def test_report_without_runs_is_one_line_exit_2(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip()

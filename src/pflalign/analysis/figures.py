@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ..methods import FAMILIES, family, label, method_order  # noqa: E402
+from ..settings import flat  # noqa: E402
 
 from .report import figure_client, sweeps  # noqa: E402  (report does not import this module: report_md does)
 
@@ -288,6 +289,20 @@ def _sweeps_figure(path: Path, rows: list[Row]) -> bool:
     return _finish(fig, axes, path, "Avg at each value (ring: the best; × at the foot: diverged)")
 
 
+def _without_rescorings(runs: list[Run]) -> list[Run]:
+    """The runs less each `pflalign rescore` whose source run is among them: a rescoring keeps its
+    source's training lines (metrics.jsonl) and config but for `method_args.personalized`, so its
+    training curves would be the source's drawn again under another name (and its round_eval
+    lines, scored during training, are the source's personalized model, not the rescored one)."""
+    def training(r: Run) -> tuple:
+        config = {**r.config, "method_args": {k: v for k, v in (r.config.get("method_args") or {}).items()
+                                              if k != "personalized"}}
+        return r.dataset, r.seed, repr(sorted(flat(config, empty_tables=False).items()))
+
+    sources = {training(r) for r in runs if not r.results.get("rescored_from")}
+    return [r for r in runs if not (r.results.get("rescored_from") and training(r) in sources)]
+
+
 def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Path,
                   client: str | None = None, paper: bool = False) -> tuple[list[tuple[str, str]], list[str]]:
     """Draw one dataset's figures into `folder`; returns ([(title, file name)], [reasons for skipped ones]).
@@ -299,6 +314,7 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
                        f"the per-client figures use the default instead")
         client = None
     task = figure_client(tasks, client, paper)
+    trained = _without_rescorings(runs)  # the figures of training: each training once
 
     def of_client(event: str, key: str, x):
         def points(r: Run) -> dict:
@@ -322,7 +338,7 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
             skipped.append(f"{title}: {why}")
 
     def gsnr(path: Path) -> bool:
-        curves = _by_method(runs, {"gsnr_mean": of_client("client_round", "gsnr_mean", by_round),
+        curves = _by_method(trained, {"gsnr_mean": of_client("client_round", "gsnr_mean", by_round),
                                    "gsnr_ratio": of_client("client_round", "gsnr_ratio", by_round)})
         return _line_figure(path, curves,
                             [("gsnr_mean", r"mean GSNR$_i$ over coordinates"),
@@ -341,7 +357,7 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
             return points
 
         keys = ("step_ratio", "P_p90", "gamma_mean", "delta_norm")
-        curves = _by_method(runs, {key: of_clients(key) for key in keys})
+        curves = _by_method(trained, {key: of_clients(key) for key in keys})
         curves = {m: c for m, c in curves.items() if any(c[key][0] for key in keys)}  # pFLAlign's family only
         return bool(curves) and _line_figure(
             path, curves,
@@ -350,8 +366,8 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
             "round", "What decides pFLAlign's step, mean over clients", log_y=True)
 
     def loss(path: Path) -> bool:
-        curves = _by_method(runs, {"loss": of_client("train_step", "loss", by_step)})
-        window = max(r.config.get("local_steps", 1) for r in runs)
+        curves = _by_method(trained, {"loss": of_client("train_step", "loss", by_step)})
+        window = max(r.config.get("local_steps", 1) for r in trained)
         ylabel = "training loss (minibatch)"
         if max(len(c["loss"][0]) for c in curves.values()) > 60 and window > 1:  # many steps: one round's mean
             curves = {m: {"loss": _moving_mean(*c["loss"], window)} for m, c in curves.items()}
@@ -365,7 +381,7 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
             return lambda r: {m["round"] + 1: m.get(key) for m in r.events("round")}
 
         # the update-norm variant only: the model norm is dominated by LoRA's random A (docs/usage.md)
-        curves = _by_method(runs, {"update": of_round("consistency_update_norm")})
+        curves = _by_method(trained, {"update": of_round("consistency_update_norm")})
         return _line_figure(path, curves,
                             [("update", r"$\Sigma_k\, p_k \|w_k^{r+1} - w^r\|$ (lower: more consistent)")],
                             "round", r"Aggregation consistency, $p_k = |D_k| \,/\, \Sigma_j |D_j|$", log_y=True)
@@ -385,7 +401,7 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
                 return {x: statistics.fmean(v) for x, v in per_round.items()}
             return points
 
-        curves = _by_method(runs, {"personalized": eval_mean("rouge_l_personalized"),
+        curves = _by_method(trained, {"personalized": eval_mean("rouge_l_personalized"),
                                    "global": eval_mean("rouge_l_global")})
         return _line_figure(path, curves,
                             [("personalized", "personalized ROUGE-L, mean over clients"),
