@@ -34,7 +34,7 @@ sweep() {  # sweep FILE OUT DONE [ARGS...] (DONE: the committed runs, passed onc
   "$PFL" sweep --config "$file" --data-dir "$DATA" --out "$out" "${done[@]}" --no-progress --workers "$WORKERS" "$@"
 }
 
-diverged_seed0() {  # the methods of sweep file $1 whose seed-0 run (under $2, or committed under $3) diverged
+seed0_verdicts() {  # "held M" or "diverged M" per method of sweep file $1 (its seed-0 run under $2, or committed under $3)
   "$PY" - "$@" <<'PY'
 import sys
 from pathlib import Path
@@ -49,19 +49,19 @@ for planned in plan_sweep(file, "/nonexistent/plan", data_dir="/nonexistent/data
         runs, notes = find_runs(found[0])
         if not runs:  # a run that cannot be read is not taken for one that held
             sys.exit("; ".join(notes) or f"{found[0]}: no run")
-        if divergence(runs[0]):
-            print(planned.cfg.method)
+    print("diverged" if found and divergence(runs[0]) else "held", planned.cfg.method)
 PY
 }
 
 seed0_first() {  # seed0_first FILE: every method's seed 0, then seeds 1-2 of those whose seed 0 did not diverge
   [ -f "$1" ] || { echo "skip $1 (not written yet)"; return 0; }
   sweep "$1" "$RUNS" "$here/runs" --seeds 0
-  local bad keep
-  if ! bad=$(diverged_seed0 "$1" "$RUNS" "$here/runs"); then
+  local verdicts bad keep
+  if ! verdicts=$(seed0_verdicts "$1" "$RUNS" "$here/runs"); then
     echo "the seed-0 divergence test failed (above): no seed 1-2 run of $(basename "$1") started"; return 0
   fi
-  keep=$(grep -o '"[a-z-]*"' <<<"$(grep '^methods' "$1")" | tr -d '"' | grep -vxF "${bad:-none}" | paste -sd,)
+  bad=$(sed -n 's/^diverged //p' <<<"$verdicts")
+  keep=$(sed -n 's/^held //p' <<<"$verdicts" | paste -sd,)
   [ -n "$bad" ] && echo "seed 0 diverged, seeds 1-2 held back (README's rule: the next lr in validation order): $bad"
   [ -n "$keep" ] && sweep "$1" "$RUNS" "$here/runs" --methods "$keep"
   return 0
