@@ -194,3 +194,24 @@ def test_the_figure_draws_every_paired_difference_the_answers_rest_on(answers, t
     assert ("4b", "pFLAlign β 0.5 − Local lr 0.16") in rows
     answers.figure(answers.differences(runs, remade), tmp_path / "answers.png")
     assert (tmp_path / "answers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_baselines_own_lrs_are_the_sweep_files(answers, tmp_path):
+    """OWN_LR (the 4b rows the answers compare) names each baseline at the lr its full runs are kept
+    at: validated.toml's, replaced by validated-next.toml's for a method found there (its validated
+    lr's seed 0 diverged). A lr written into either file without answers.py following fails here."""
+    from pflalign.sweep import plan_sweep
+
+    def keys(file: str) -> dict:
+        if not (HERE / file).exists():
+            return {}
+        return {r.cfg.method: r.key.split("/")[1] for r in plan_sweep(str(HERE / file), tmp_path / file,
+                                                                      data_dir=str(tmp_path), seeds=[0])}
+
+    if not (HERE / "validated.toml").exists():
+        pytest.skip("validated.toml is written once 4b's validation grid is in")
+    kept = {**keys("validated.toml"), **keys("validated-next.toml")}
+    kept.pop("pflalign")  # pFLAlign's own 4b rows are a β (OWN_LR_PFLALIGN), not an lr
+    assert {name for name, _ in answers.OWN_LR} == set(kept.values())
+    for name, label in answers.OWN_LR:  # the label says the same lr
+        assert label.endswith("lr " + name.split("lr=")[1])

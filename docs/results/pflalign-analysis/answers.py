@@ -39,7 +39,8 @@ COMPONENTS = [("pflalign-no-precond", "the preconditioner: P ≡ 1"),
               ("pflalign-no-correction", "the correction: γ ≡ 0"),
               ("pflalign-no-personal-init", "the personal start: w_{k,0} = w^r, no correction")]
 # each baseline at the lr its full runs are kept at: its validated lr (validated.toml), or the next one where that
-# lr's seed 0 diverged over 50 rounds (validated-next.toml: FedSA-LoRA, 0.16 -> 0.08)
+# lr's seed 0 diverged over 50 rounds (validated-next.toml: FedSA-LoRA, 0.16 -> 0.08); tests/test_issue38_answers.py
+# checks that this list and the two files agree
 OWN_LR = [("fedavg@lr=0.16", "FedAvg lr 0.16"), ("fedsa-lora@lr=0.08", "FedSA-LoRA lr 0.08"),
           ("feddyn@lr=0.02", "FedDyn lr 0.02"), ("local@lr=0.16", "Local lr 0.16")]
 OWN_LR_PFLALIGN = [("pflalign", "pFLAlign β 0.8"), ("pflalign@beta=0.5", "pFLAlign β 0.5")]
