@@ -622,3 +622,37 @@ def test_one_report_of_several_folders_pairs_their_runs(sweep_dir, tmp_path, cap
     assert main(["report", str(pflalign), str(tmp_path / "other"), "--out", str(tmp_path / "r2")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "are both synthetic/pflalign/seed0; give the report one of them" in err
+
+
+def test_committed_copies_with_gzipped_json_lines_read_as_the_run_folders(sweep_dir, tmp_path, monkeypatch):
+    """docs/results keeps each run's metrics.jsonl and predictions.jsonl gzipped: the report (tables,
+    per-client answers), `api.load_run` and `metrics_rows` read such a copy as they read the run
+    folder, and a copy cut short gives the rows before the cut instead of a traceback."""
+    import gzip
+    import shutil
+
+    from pflalign import api
+
+    for name in ("plain", "gz"):
+        shutil.copytree(sweep_dir, tmp_path / name / "runs")
+    gz_runs = sorted((tmp_path / "gz" / "runs").rglob(ckpt.RESULTS))
+    for results in gz_runs:
+        for name in (ckpt.METRICS, ckpt.PREDICTIONS):
+            path = results.parent / name
+            if path.exists():
+                path.with_name(name + ".gz").write_bytes(gzip.compress(path.read_bytes()))
+                path.unlink()
+    assert not list((tmp_path / "gz").rglob("*.jsonl"))
+    for name in ("plain", "gz"):
+        monkeypatch.chdir(tmp_path / name)
+        assert main(["report", "runs", "--out", "out"]) == 0
+    report = {name: (tmp_path / name / "out" / "report.md").read_text() for name in ("plain", "gz")}
+    assert report["gz"] == report["plain"] and "### One answer for every example" in report["gz"]
+    run_dir = Path("synthetic") / "fedavg" / "seed0"
+    plain, gz = api.load_run(tmp_path / "plain" / "runs" / run_dir), api.load_run(tmp_path / "gz" / "runs" / run_dir)
+    assert gz.metrics == plain.metrics and gz.predictions() == plain.predictions() and gz.predictions()
+    metrics_gz = tmp_path / "gz" / "runs" / run_dir / (ckpt.METRICS + ".gz")
+    whole = gzip.decompress(metrics_gz.read_bytes())
+    metrics_gz.write_bytes(gzip.compress(whole)[:-30])  # the end of the stream lost
+    rows = list(ckpt.metrics_rows(metrics_gz.parent / ckpt.METRICS))
+    assert 0 < len(rows) <= len(plain.metrics) and rows == plain.metrics[:len(rows)]

@@ -76,8 +76,11 @@ class Run:
         return [c["task"] for c in self.results["clients"]]
 
     def predictions(self) -> list[dict]:
-        """predictions.jsonl: one dict per test example (prompt, reference, personalized, global, base)."""
-        text = (self.path / "predictions.jsonl").read_text()
+        """predictions.jsonl (or a committed run's predictions.jsonl.gz): one dict per test example
+        (prompt, reference, personalized, global, base)."""
+        from . import checkpoint as ckpt
+
+        text = ckpt.read_stored_text(self.path / ckpt.PREDICTIONS)
         return [json.loads(line) for line in text.splitlines() if line.strip()]
 
     def model(self, client: str | None = None):

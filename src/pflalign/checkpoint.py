@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gzip
 import hashlib
 import json
 import logging
@@ -449,17 +450,45 @@ def _verify_metrics(out: Path, payload: dict) -> None:
                         "is not a line of that round; the file was changed; restore it or start again with --overwrite")
 
 
+def stored(path: Path) -> Path:
+    """`path`, or `path` + ".gz" where only that exists: the copies of runs committed under
+    docs/results keep metrics.jsonl and predictions.jsonl gzipped (about a sixth of the size; a run
+    folder itself always writes them plain)."""
+    path = Path(path)
+    if not path.exists():
+        gz = path.with_name(path.name + ".gz")
+        if gz.exists():
+            return gz
+    return path
+
+
+def open_stored(path: Path):
+    """`stored(path)` opened for reading bytes, gunzipped where it is the .gz copy."""
+    found = stored(path)
+    return gzip.open(found, "rb") if found.name.endswith(".gz") else open(found, "rb")
+
+
+def read_stored_text(path: Path) -> str:
+    """The text of `stored(path)` (UTF-8). A gzipped copy cut short raises `OSError` or `EOFError`."""
+    with open_stored(path) as f:
+        return f.read().decode("utf-8")
+
+
 def metrics_rows(path: Path):
-    """The JSON objects of a `metrics.jsonl`, one line at a time; a torn or undecodable line is
-    skipped (the rest is still good)."""
-    with open(path, "rb") as f:
-        for line in f:
-            try:
-                row = json.loads(line.decode("utf-8", errors="replace"))
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict):
-                yield row
+    """The JSON objects of a `metrics.jsonl` (or its gzipped copy, `stored`), one line at a time; a
+    torn or undecodable line is skipped (the rest is still good), and so is the end of a gzipped
+    copy cut short."""
+    with open_stored(path) as f:
+        try:
+            for line in f:
+                try:
+                    row = json.loads(line.decode("utf-8", errors="replace"))
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict):
+                    yield row
+        except (EOFError, gzip.BadGzipFile):
+            return
 
 
 class MetricsLog:

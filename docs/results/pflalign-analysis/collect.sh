@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Copy every finished run's small files (no checkpoint, no adapters) from the grid's run folders
-# into the repo, then regenerate both reports. Safe to run at any time: a run is copied once.
+# Copy every finished run's small files (no checkpoint, no adapters; the JSON lines gzipped:
+# ../keep-run.sh) from the grid's run folders into the repo, then regenerate both reports. Safe to
+# run at any time: a run is copied once.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
@@ -12,7 +13,7 @@ copy() {  # copy SRC_ROOT DST_ROOT
     [ -f "$r" ] || continue
     d=$(dirname "$r"); t="$2/flan/$(basename "$(dirname "$d")")/$(basename "$d")"
     [ -e "$t/results.json" ] && continue
-    mkdir -p "$t" && cp "$d"/{config.json,results.json,metrics.jsonl,predictions.jsonl} "$t"/ && echo "copied $t"
+    bash "$here/../keep-run.sh" "$d" "$t" && echo "copied $t"
   done
 }
 copy "$RUNS-val" "$here/validation/runs"

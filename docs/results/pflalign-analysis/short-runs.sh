@@ -14,6 +14,6 @@ mkdir -p "$RUNS-short"
 # the small files of each finished run, then the report
 for r in "$RUNS-short"/dolly-csv/*/seed*/results.json; do
   d=$(dirname "$r"); t="$here/short-runs/runs/dolly-csv/$(basename "$(dirname "$d")")/$(basename "$d")"
-  mkdir -p "$t" && cp "$d"/{config.json,results.json,metrics.jsonl,predictions.jsonl} "$t"/
+  bash docs/results/keep-run.sh "$d" "$t"  # the small files, the JSON lines gzipped
 done
 "$PFL" report "$here/short-runs/runs" --out "$here/short-runs" >/dev/null && echo "report: $here/short-runs"

@@ -216,7 +216,7 @@ def find_runs(root: Path) -> tuple[list[Run], list[str]]:
     runs, notes = [], []
     for results_path in sorted(root.rglob(ckpt.RESULTS)):
         d = results_path.parent
-        missing = [n for n in (ckpt.METRICS, ckpt.CONFIG) if not (d / n).exists()]
+        missing = [n for n in (ckpt.METRICS, ckpt.CONFIG) if not ckpt.stored(d / n).exists()]
         if missing:
             notes.append(f"{d}: left out, no {' or '.join(missing)}")
             continue
@@ -519,10 +519,10 @@ def distribution_markdown(runs: list[Run]) -> str:
 # ---- one answer for every example ----------------------------------------------
 def predictions(run: Run) -> list[dict]:
     """The run's predictions.jsonl rows ([] when it has none or it cannot be read as JSON lines)."""
-    path = run.path / ckpt.PREDICTIONS
     try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        text = ckpt.read_stored_text(run.path / ckpt.PREDICTIONS)  # or its gzipped committed copy
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError):
         return []
 
 
