@@ -208,8 +208,9 @@ def test_results_split_the_evaluation_time_by_model(tmp_path, monkeypatch):
 
 
 def _train_with_losses(cfg, rec, start, end, losses):
-    """Rounds start..end-1 of one client whose local steps have these losses (a list per round),
-    recorded and watched as an engine's loop does: the round's lines, the watch, a checkpoint."""
+    """Rounds start..end-1 of clients whose local steps have these losses (per round, a list of steps
+    of client 0, or a dict client → steps), recorded and watched as an engine's loop does: the round's
+    lines, the watch, a checkpoint."""
     from pflalign.run.client import ClientRound
     from pflalign.run.lifecycle import LossWatch
     from pflalign.run.server import RoundRecord
@@ -217,7 +218,9 @@ def _train_with_losses(cfg, rec, start, end, losses):
     rec.open(rec.config(cfg))
     watch = LossWatch(rec)
     for r in range(start, end):
-        record = RoundRecord({}, [0], [ClientRound({}, {}, losses[r], None, None, 0.0, 0.0)], [1.0])
+        by_client = losses[r] if isinstance(losses[r], dict) else {0: losses[r]}
+        record = RoundRecord({}, list(by_client), [ClientRound({}, {}, steps, None, None, 0.0, 0.0)
+                                                   for steps in by_client.values()], [1.0] * len(by_client))
         rec.round(r, record, 0.0)
         watch.round(r, record)
         rec.save(r + 1, {})
@@ -235,9 +238,30 @@ def test_a_round_past_twice_the_starting_loss_warns_once_also_after_a_resume(tmp
         assert not caplog.records
         # the start read back from round 1's train_step lines
         _train_with_losses(cfg, Recorder(tmp_path, resume=True, overwrite=False), 3, 6, losses)
+    # one client: the run's line and the client's are passed in the same round, each warned once
     assert [r.getMessage() for r in caplog.records] == [
         "round 4: mean training loss 2.5 is 2.5 × the loss the run started from (1): the run is diverging "
-        "(a smaller lr or server step may hold it; pflalign report marks a run that ends so)"]
+        "(a smaller lr or server step may hold it; pflalign report marks a run that ends so)",
+        "round 4: client 0's mean step loss 2.5 is 2.5 × its first step's loss (1): its training is blowing up, "
+        "which the run's mean can hide (pflalign report lists the clients that did)"]
+
+
+def test_one_clients_blow_up_that_the_runs_mean_hides_warns_once_also_after_a_resume(tmp_path, caplog):
+    import logging
+
+    # client 0 starts at 1.0 and holds; client 1 first trains in round 2 (start 4.0) and passes 2 × 4.0 in
+    # round 5 (9.0), then again in round 6 (10.0); client 2 starts at 10.0 and dwarfs the run's mean: the run's
+    # start is (1 + 10) / 2 = 5.5 and no round's mean passes 11
+    losses = [{0: [1.0, 0.5], 2: [10.0, 6.0]}, {1: [4.0, 3.0], 2: [5.0]}, {0: [0.8], 1: [8.0]},
+              {0: [0.7], 2: [4.0]}, {1: [9.0], 2: [3.0]}, {1: [10.0]}]
+    with caplog.at_level(logging.WARNING, logger="pflalign.run.lifecycle"):
+        _train_with_losses(tiny_config(rounds=6), Recorder(tmp_path, resume=False, overwrite=False), 0, 3, losses)
+        assert not caplog.records  # client 1's 8.0 is not past 2 × 4.0
+        # client 1's start read back from round 2's line
+        _train_with_losses(tiny_config(rounds=6), Recorder(tmp_path, resume=True, overwrite=False), 3, 6, losses)
+    assert [r.getMessage() for r in caplog.records] == [
+        "round 5: client 1's mean step loss 9 is 2.2 × its first step's loss (4): its training is blowing up, "
+        "which the run's mean can hide (pflalign report lists the clients that did)"]
 
 
 def test_a_blow_up_within_round_1_warns_in_round_1(tmp_path, caplog):
@@ -249,4 +273,6 @@ def test_a_blow_up_within_round_1_warns_in_round_1(tmp_path, caplog):
         _train_with_losses(tiny_config(rounds=3), Recorder(tmp_path, resume=False, overwrite=False), 0, 3, losses)
     assert [r.getMessage() for r in caplog.records] == [
         "round 1: mean training loss 4 is 4.0 × the loss the run started from (1): the run is diverging "
-        "(a smaller lr or server step may hold it; pflalign report marks a run that ends so)"]
+        "(a smaller lr or server step may hold it; pflalign report marks a run that ends so)",
+        "round 1: client 0's mean step loss 4 is 4.0 × its first step's loss (1): its training is blowing up, "
+        "which the run's mean can hide (pflalign report lists the clients that did)"]

@@ -401,6 +401,52 @@ def test_a_blow_up_within_round_1_is_measured_from_the_first_steps():
     assert divergence(_run_with_losses([6.6, 9.0, 5.0], first_steps=[3.0, 3.0])) is None
 
 
+def _steps(losses):
+    """train_step lines from {client: [[round 1's step losses], [round 2's], ...]}; None skips a round."""
+    return [{"event": "train_step", "round": r, "client": k, "step": t, "loss": loss}
+            for k, rounds in losses.items() for r, steps in enumerate(rounds) if steps is not None
+            for t, loss in enumerate(steps)]
+
+
+def test_a_clients_blow_up_is_measured_from_its_own_first_step_by_hand():
+    from pflalign.run_stats import ClientBlowup, client_blowups
+
+    rows = _steps({
+        0: [[1.0, 0.8], [0.9], [0.5]],  # holds
+        1: [[2.0, 3.0], [3.0, 7.0], [1.5]],  # start 2.0: round 2's mean 5.0 passes 4.0, then back down
+        2: [None, [0.5, 1.5], [2.5]],  # first trains in round 2: its start 0.5, round 3's 2.5 passes 1.0
+        3: [[1.0, 1.0], [float("nan")], [1.0]],  # a non-finite loss is above any line
+        4: [[float("inf"), 1.0], [9.0]],  # no finite first step: no start, not judged
+        5: [[1.0], [2.0]],  # exactly 2 × is not past it
+    })
+    assert client_blowups(rows) == [ClientBlowup(1, 2.0, 2, 5.0, 2, 1.5), ClientBlowup(2, 0.5, 3, 2.5, 3, 2.5),
+                                    ClientBlowup(3, 1.0, 2, math.inf, 2, 1.0)]
+    assert client_blowups(_steps({0: [[1.0], [0.5]]})) == []
+
+
+def test_a_client_that_blew_up_in_a_run_that_held_is_marked_in_the_table(sweep_dir, tmp_path):
+    import shutil
+
+    root = tmp_path / "runs"
+    shutil.copytree(sweep_dir / "synthetic" / "fedavg", root / "synthetic" / "fedavg")
+    path = root / "synthetic" / "fedavg" / "seed1" / ckpt.METRICS
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    tasks = {c["id"]: c["task"] for c in json.loads((path.parent / ckpt.RESULTS).read_text())["clients"]}
+    first = next(m for m in lines if m["event"] == "train_step" and m["client"] == 1)
+    # client 1's steps in round 2 at 30 × its first step; the rounds' lines (the run's test) are left as they were
+    for m in lines:
+        if m["event"] == "train_step" and m["client"] == 1 and m["round"] == 1:
+            m["loss"] = 30 * first["loss"]
+    ckpt.write_jsonl(path, lines)
+    assert main(["report", str(root), "--out", str(tmp_path / "r")]) == 0
+    table = (tmp_path / "r" / "synthetic" / "table.md").read_text()
+    assert "| FedAvg ‡ |" in table and "- FedAvg seed 1: mean training loss" not in table
+    assert f"- FedAvg seed 1: {tasks[1]} {first['loss']:.3g} at its first step, {30 * first['loss']:.4g} in round 2 " \
+           f"(30 ×)" in table
+    assert [(r["diverged_seeds"], r["client_blowup_seeds"])
+            for r in csv.DictReader(open(tmp_path / "r" / "synthetic" / "table.csv"))] == [("", "1")]
+
+
 def test_the_replaced_table1_values_diverged_and_the_kept_ones_held_at_seed_0():
     # the rule of docs/results/table1-flan: a value is kept only if its seed-0 run does not diverge; a
     # later seed that diverges counts like any other run, and the README must name it

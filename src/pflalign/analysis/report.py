@@ -31,7 +31,7 @@ from .. import checkpoint as ckpt
 from ..errors import UserError
 from ..data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
 from ..methods import FAMILIES, family, label, method_order  # noqa: F401  (FAMILIES: the table's row groups)
-from ..run_stats import DIVERGED_LOSS_RATIO, distribution, start_loss
+from ..run_stats import DIVERGED_LOSS_RATIO, client_blowups, distribution, start_loss
 
 
 # ---- statistics -------------------------------------------------------------
@@ -289,6 +289,22 @@ def divergence_notes(runs: list[Run]) -> list[str]:
     return notes
 
 
+def client_blowup_notes(runs: list[Run]) -> list[str]:
+    """One line per run, in table order, that did not diverge as a run (`divergence`) but in which a
+    client's training blew up for a while (`run_stats.client_blowups`): the run's mean hid it."""
+    notes = []
+    for method in method_order(r.method for r in runs):
+        for r in sorted((r for r in runs if r.method == method), key=lambda r: r.seed):
+            found = client_blowups(r.metrics) if divergence(r) is None else []
+            if found:
+                tasks = {c["id"]: c["task"] for c in r.results.get("clients", [])}
+                notes.append(f"{label(method)} seed {r.seed}: " + "; ".join(
+                    f"{tasks.get(b.client, f'client {b.client}')} {b.start:.3g} at its first step, "
+                    f"{b.peak:.4g} in round {b.peak_round} ({b.peak / b.start:.0f} ×), {b.last:.3g} in its last round"
+                    for b in found))
+    return notes
+
+
 # ---- the table --------------------------------------------------------------
 @dataclass
 class Row:
@@ -299,6 +315,8 @@ class Row:
     avg: float
     avg_ci: float | None
     diverged_seeds: list[int] = field(default_factory=list)  # runs whose training diverged (`divergence`)
+    # runs that did not, in which a client's training blew up for a while (`client_blowup_notes`)
+    client_blowup_seeds: list[int] = field(default_factory=list)
     family: str = field(init=False)
 
     def __post_init__(self):
@@ -347,6 +365,7 @@ def summarize(runs: list[Run], metric: str = "rouge_l") -> tuple[list[str], list
             {t: ci95_half_width(v) for t, v in per_task.items() if v},
             statistics.fmean(avgs), ci95_half_width(avgs),
             sorted(r.seed for r in mine if divergence(r) is not None),
+            sorted(r.seed for r in mine if divergence(r) is None and client_blowups(r.metrics)),
         ))
     return tasks, rows
 
@@ -363,7 +382,8 @@ def _ranks(values: list[float | None]) -> list[int | None]:
 
 def table_markdown(tasks: list[str], rows: list[Row], families: bool = True) -> str:
     """Table 1 in markdown: family headings (the paper's grouping; `families`), best per column
-    bold, second underlined, † after a method with a diverged run."""
+    bold, second underlined, † after a method with a diverged run, ‡ after one with a run in which a
+    client blew up (and the run did not diverge)."""
     columns = [[row.cells.get(t) for row in rows] for t in tasks] + [[row.avg for row in rows]]
     ranks = [_ranks(col) for col in columns]
 
@@ -380,7 +400,7 @@ def table_markdown(tasks: list[str], rows: list[Row], families: bool = True) -> 
         cells = [mark(f"{row.cells[t]:.2f}", ranks[j][i]) if t in row.cells else "–" for j, t in enumerate(tasks)]
         avg = f"{row.avg:.2f}" + (f" ± {row.avg_ci:.2f}" if row.avg_ci is not None else "")
         cells.append(mark(avg, ranks[-1][i]))
-        dagger = " †" if row.diverged_seeds else ""
+        dagger = (" †" if row.diverged_seeds else "") + (" ‡" if row.client_blowup_seeds else "")
         lines.append(f"| {label(row.method)}{dagger} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -388,12 +408,14 @@ def table_markdown(tasks: list[str], rows: list[Row], families: bool = True) -> 
 def write_table_csv(path: Path, tasks: list[str], rows: list[Row]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["method", "family", *tasks, "avg", "avg_ci95", "n_seeds", "seeds", "diverged_seeds"])
+        w.writerow(["method", "family", *tasks, "avg", "avg_ci95", "n_seeds", "seeds", "diverged_seeds",
+                    "client_blowup_seeds"])
         for row in rows:
             w.writerow([row.method, row.family,
                         *(f"{row.cells[t]:.4f}" if t in row.cells else "" for t in tasks),
                         f"{row.avg:.4f}", "" if row.avg_ci is None else f"{row.avg_ci:.4f}",
-                        len(row.seeds), " ".join(map(str, row.seeds)), " ".join(map(str, row.diverged_seeds))])
+                        len(row.seeds), " ".join(map(str, row.seeds)), " ".join(map(str, row.diverged_seeds)),
+                        " ".join(map(str, row.client_blowup_seeds))])
 
 
 # ---- sweeps: rows that differ in one setting -----------------------------------

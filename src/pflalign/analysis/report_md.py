@@ -15,6 +15,7 @@ from ..data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
 from .report import (DIVERGED_LOSS_RATIO, MAX_TABLE_CLIENTS, METRICS, MIN_SEEDS_TO_JUDGE, REFERENCE, _seed_note,
                      answers_markdown, paper_federation,
                      client_gsnr_markdown, cost_markdown, distribution_markdown, divergence_notes,
+                     client_blowup_notes,
                      dynamics_markdown, figure_client, find_runs, label, method_order, paired_differences,
                      paired_markdown, summarize, sweeps, sweeps_markdown, table_markdown, with_exact_match, write_table_csv)
 
@@ -78,6 +79,12 @@ def write_report(root: Path | str | list[Path | str], out: Path | str, client: s
                       f"{DIVERGED_LOSS_RATIO:g} × the loss it started from (its clients' first steps in round 1); "
                       "its scores measure the blow-up, not the method at a working setting.\n\n"
                       + "".join(f"- {n}\n" for n in diverged))
+        blowups = client_blowup_notes(mine)
+        if blowups:
+            table += (f"\n‡ A client blew up: in some round its mean local-step loss passed {DIVERGED_LOSS_RATIO:g} × "
+                      "the loss of its first step, though the run did not end diverged (†); the run's mean loss hid "
+                      "it, and that client's scores measure what was left after it.\n\n"
+                      + "".join(f"- {n}\n" for n in blowups))
         (folder / "table.md").write_text(table)
         write_table_csv(folder / "table.csv", tasks, rows)
         lines += [f"## {dataset}", "",

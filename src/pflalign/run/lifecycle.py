@@ -15,6 +15,7 @@ run diverges.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +25,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from ..config import RunConfig, load_saved_config, to_dict
 from ..errors import UserError
-from ..run_stats import DIVERGED_LOSS_RATIO, distribution, start_loss  # noqa: F401  (their former home)
+from ..run_stats import DIVERGED_LOSS_RATIO, client_starts, distribution, start_loss  # noqa: F401  (their former home)
 
 if TYPE_CHECKING:  # types only: the run's folder needs no client or server code (tests/test_layers.py)
     from .server import RoundRecord
@@ -206,13 +207,19 @@ class Recorder:
 class LossWatch:
     """Warns, once a session, when a round's mean training loss passes DIVERGED_LOSS_RATIO × the
     loss the run started from (`start_loss`): a 50-round run can break late (FedDyn in round 44)
-    or in its first round (FedSAM), and its log is where one looks. Each engine's loop calls it
-    after every round."""
+    or in its first round (FedSAM), and its log is where one looks. Warns too, once a session, when
+    one client's mean step loss in a round passes that multiple of its own first step's loss
+    (`run_stats.client_blowups`): the run's mean hides one client among many (Local at lr 0.16 on
+    FLAN: a client at 159 × its start, the run's mean at 1.4 ×). Each engine's loop calls it after
+    every round."""
 
     def __init__(self, rec: Recorder):
-        # resumed: the start read back from round 1's lines (lazily: a large file)
+        # resumed: the start read back from round 1's lines (lazily: a large file), the clients'
+        # starts from all of them (a client may first train in any round)
         self.start_loss = start_loss(ckpt.metrics_rows(rec.out / ckpt.METRICS)) if rec.resuming else None
+        self.client_start = client_starts(ckpt.metrics_rows(rec.out / ckpt.METRICS)) if rec.resuming else {}
         self.warned = False
+        self.client_warned = False
 
     def round(self, r: int, record: RoundRecord) -> None:
         mean_loss = record.mean_loss
@@ -224,3 +231,14 @@ class LossWatch:
             log.warning("round %d: mean training loss %.3g is %.1f × the loss the run started from (%.3g): "
                         "the run is diverging (a smaller lr or server step may hold it; pflalign report marks "
                         "a run that ends so)", r + 1, mean_loss, mean_loss / self.start_loss, self.start_loss)
+        for k, res in zip(record.clients, record.results):
+            if not res.losses:
+                continue
+            if k not in self.client_start:
+                self.client_start[k] = res.losses[0]
+            start, loss = self.client_start[k], float(np.mean(res.losses))
+            if not self.client_warned and math.isfinite(start) and start > 0 and not loss <= DIVERGED_LOSS_RATIO * start:
+                self.client_warned = True
+                log.warning("round %d: client %d's mean step loss %.3g is %.1f × its first step's loss (%.3g): "
+                            "its training is blowing up, which the run's mean can hide (pflalign report lists "
+                            "the clients that did)", r + 1, k, loss, loss / start, start)
