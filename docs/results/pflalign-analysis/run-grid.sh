@@ -26,7 +26,7 @@ DATA=${DATA:-$(cd "$repo/../shared/data/flan" 2>/dev/null && pwd)}
 PFL=${PFL:-$repo/.venv/bin/pflalign}
 PY=${PY:-$(dirname "$PFL")/python}  # reads finished runs (the seed-0 divergence test) with this checkout's pflalign
 WORKERS=${WORKERS:-2}
-PHASES=${PHASES:-"val matched components validated validated-next curves remake"}
+PHASES=${PHASES:-"val matched components validated curves remake validated-next"}  # README: why this order
 
 sweep() {  # sweep FILE OUT DONE [ARGS...] (DONE: the committed runs, passed once there are some)
   [ -f "$1" ] || { echo "skip $1 (not written yet)"; return 0; }
