@@ -133,7 +133,7 @@ def pflalign_step_(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.T
 
 
 class PFLAlign(FedAvg):  # FedAvg's server rule, its own client rule
-    """pFLAlign (Kim & Lee, 2026), Algorithm 1: P-preconditioned steps from w^r + Δ_k with an erf-gated pull −γΔ_k/T; its step is about 0.1–0.25× SGD's at β 0.8 and under 0.09× at the default β 0.9 (P is capped by β); for short runs use β 0.5 and lr ≈ 0.16, for 50 rounds (so far) β 0.8 and lr ≈ 8× a baseline's (measured: docs/results/pflalign-analysis).
+    """pFLAlign (Kim & Lee, 2026), Algorithm 1: P-preconditioned steps from w^r + Δ_k with an erf-gated pull −γΔ_k/T; its step is about 0.07–0.25× SGD's at β 0.8 (the less, the larger lr) and under 0.09× at the default β 0.9 (P is capped by β); for short runs use β 0.5 and lr ≈ 0.16, for 50 rounds β 0.8 and lr ≈ 8× a baseline's (measured: docs/results/pflalign-analysis).
 
     The update rule, the variants and the measurements are in the module's docstring.
     """
