@@ -202,6 +202,22 @@ def test_bad_files_are_one_line_errors(tmp_path, content, kwargs, match):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(("name", "content", "match"), [
+    ("d.jsonl", '{"instruction": "x"\n', r"d\.jsonl: cannot read it as a dataset \(ArrowInvalid: JSON parse error: "
+                                       r"Missing a comma .* in row 0\)$"),
+    ("d.csv", b"\xff\xfe\x00garbage", r"d\.csv: cannot read it as a dataset \(UnicodeDecodeError: 'utf-8' codec "),
+])
+def test_an_unreadable_file_names_the_files_own_error_in_one_line(tmp_path, capfd, name, content, match):
+    # not datasets' wrapper ("DatasetGenerationError: An error occurred while generating the dataset"),
+    # and not its builder's log line beside ours
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(UserError, match=match) as info:
+        load_partitioned("files", str(path), None, 42, None, None, _opts(spec=PartitionSpec("iid", 2)))
+    assert "\n" not in str(info.value)
+    assert "Failed to load" not in capfd.readouterr().err
+
+
 def test_missing_or_unsupported_source_and_unreachable_hub(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="data file not found"):
         read_table(str(tmp_path / "absent.jsonl"))

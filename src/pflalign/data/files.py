@@ -170,6 +170,9 @@ def _call_load_dataset(where: str, *args, hub: bool = False, **kwargs) -> dict[s
         raise UserError("data.name=files needs the 'datasets' package: pip install 'datasets>=4,<5'") from error
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # "Generating train split" is noise next to the run's log
+    # its builders also log a bad file's error ("Failed to load JSON from file ..."): our one line says it
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         loaded = datasets.load_dataset(*args, **kwargs)
     except Exception as error:  # datasets raises many types for a bad file or an unreachable hub
@@ -180,8 +183,13 @@ def _call_load_dataset(where: str, *args, hub: bool = False, **kwargs) -> dict[s
             ) from error
         if "corresponds to no data" in str(error):  # e.g. a CSV with only its header line
             raise UserError(f"{where} has no rows") from error
-        raise UserError(f"{where}: cannot read it as a dataset ({type(error).__name__}: {first_line(error)})") from error
+        # DatasetGenerationError ("An error occurred while generating the dataset") wraps the file's own
+        # error (a JSON parse error with its row, a bad byte): that one says what is wrong
+        inner = error.__cause__ or error.__context__
+        said = inner if type(error).__name__ == "DatasetGenerationError" and inner is not None else error
+        raise UserError(f"{where}: cannot read it as a dataset ({type(said).__name__}: {first_line(said)})") from error
     finally:
+        datasets.logging.set_verbosity(verbosity)
         if bars:
             datasets.enable_progress_bars()
     return dict(loaded)
