@@ -82,6 +82,11 @@ def test_tiny_run_prints_table_and_writes_results(capsys, tmp_path):
     assert _error(capsys, ["run", "--config", "demo", *TINY_SET, "--out", str(out)]).endswith("--overwrite to replace it")
 
 
+def _mkdir(path) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
 def _write(path, content) -> str:
     """Write a test file (text or bytes); its path as a string."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,6 +132,8 @@ def _bad_input(tmp_path, case):
                                    ["client 0 (arithmetic) has 4 training examples, fewer than batch_size=8"]),
         "model-directory-missing": (lambda: ["--set", f"model={tmp_path / 'no-model'}"],
                                     [f"model directory not found: {tmp_path / 'no-model'}"]),
+        "model-directory-without-config": (lambda: ["--set", f"model={_mkdir(tmp_path / 'empty-model')}"],
+                                           [f"model directory {tmp_path / 'empty-model'} has no config.json"]),
         "gguf-truncated": (lambda: ["--set", "model=" + _write(gguf, b"GGUF\x03\x00\x00\x00\x01")],
                            [f"cannot load model '{gguf}': damaged or truncated GGUF file"]),
         "gguf-not-gguf": (lambda: ["--set", "model=" + _write(gguf, b"PK\x03\x04 a zip, not a model")],
@@ -144,7 +151,7 @@ def _bad_input(tmp_path, case):
 @pytest.mark.parametrize("case", [
     "malformed-jsonl-line", "missing-instruction", "missing-response", "missing-output", "category-absent",
     "client-without-training-examples", "unknown-task", "unknown-dataset", "lora-rank-zero", "beta-negative",
-    "batch-larger-than-data", "model-directory-missing", "gguf-truncated", "gguf-not-gguf", "dolly-file-missing",
+    "batch-larger-than-data", "model-directory-missing", "model-directory-without-config", "gguf-truncated", "gguf-not-gguf", "dolly-file-missing",
     "config-file-malformed", "resume-with-set",
 ])
 def test_bad_input_table_one_line_exit_2_nothing_written(capsys, tmp_path, case):

@@ -99,5 +99,5 @@ def test_missing_model_file_is_a_user_error(tmp_path):
     not_a_model.write_text("x")
     with pytest.raises(UserError):
         load_base_model(str(not_a_model))
-    with pytest.raises(UserError, match="cannot load model"):
-        load_base_model(str(tmp_path))  # an empty directory
+    with pytest.raises(UserError, match="has no config.json: a Hugging Face model folder holds"):
+        load_base_model(str(tmp_path))  # a directory that holds no model

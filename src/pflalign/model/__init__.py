@@ -250,6 +250,10 @@ def load_base_model(spec: str, dtype: torch.dtype = torch.float32, in_memory: bo
                 raise UserError(f"--model {spec}: expected a .gguf file, a model directory or a hub id")
             if not path.exists() and (path.is_absolute() or spec.startswith((".", "~"))):
                 raise UserError(f"model directory not found: {spec}")
+            if path.is_dir() and not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
+                # else transformers fails on the tokenizer with a message that does not say why
+                raise UserError(f"model directory {spec} has no config.json: a Hugging Face model folder holds "
+                                "config.json, the tokenizer's files and the weights (e.g. save_pretrained's output)")
             tok = AutoTokenizer.from_pretrained(spec)
             model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
     except UserError:
