@@ -45,17 +45,19 @@ def table1(root: Path, pflalign=(48.0, 48.0, 48.0), fedavg=(49.0, 49.0, 49.0)) -
 
 
 def text(answers, tmp_path, analysis: dict, t1: dict | None = None, curves: dict | None = None,
-         remake: dict | None = None) -> str:
+         remake: dict | None = None, curves_full: dict | None = None) -> str:
     for name, avgs in analysis.items():
         put(tmp_path / "a", name, avgs)
     for name, (avgs, curve) in (curves or {}).items():
         put(tmp_path / "c", name, avgs, curve)
+    for name, (avgs, curve) in (curves_full or {}).items():
+        put(tmp_path / "f", name, avgs, curve)
     for name, avgs in (remake or {}).items():  # seeds 1, 2: seed 0's folder is left empty
         put(tmp_path / "r", name, [0.0, *avgs])
         for d in (tmp_path / "r" / "flan" / name / "seed0").iterdir():
             d.unlink()
     table1(tmp_path / "t", **{"pflalign": (48.3, 48.0, 48.0), **(t1 or {})})
-    return answers.answers(tmp_path / "a", tmp_path / "t", tmp_path / "c", tmp_path / "r")
+    return answers.answers(tmp_path / "a", tmp_path / "t", tmp_path / "c", tmp_path / "r", tmp_path / "f")
 
 
 def section(text: str, number: int) -> str:
@@ -143,7 +145,24 @@ def test_question_4_reads_the_round_eval_lines_of_the_curves_runs(answers, tmp_p
         "pflalign": ([48.0], {5: 34.0, 10: 40.0, 15: 39.0}), "fedavg": ([49.0], {5: 30.0, 10: 36.0, 15: 40.0}),
         "local": ([47.0], {5: 20.0, 10: 30.0, 15: 35.0})}), 4)
     assert "| 10 | 40.00 | 36.00 | 30.00 |" in out  # round_eval's 0-based round 9 is round 10
-    assert "Verdict: **the lead turns at round 15**" in out
+    assert "Verdict (20 test examples per client): **the lead turns at round 15**" in out
+    # the subsample's last round beside the same runs' whole-split scores (48.0 against Table 1's FedAvg 49.0)
+    assert "Round 15 on the subsample: pFLAlign − FedAvg -1.00; the same runs' final scores on the whole " \
+           "test split (results.json): -1.00 (48.00 against 49.00)." in out
+    assert "Verdict (whole test split, the answer): waiting: the curves-full runs" in out
+    # Table 1's seed 0 is pFLAlign 48.3: the curves run of it scoring 48.0 is not what it claims to be
+    assert "**Not Table 1's final Avg on seed 0, though its config**: pflalign (curves)." in out  # local: 47.0 both
+
+
+def test_question_4s_answer_is_the_whole_test_splits_curve(answers, tmp_path):
+    """As amended before the curves-full runs: the same rule on their round_eval lines is the answer,
+    the subsample's verdict still shown."""
+    out = section(text(answers, tmp_path, {}, curves={
+        "pflalign": ([48.3], {5: 34.0, 10: 40.0}), "fedavg": ([49.0], {5: 30.0, 10: 36.0})}, curves_full={
+        "pflalign": ([48.3], {5: 34.0, 10: 35.0}), "fedavg": ([49.0], {5: 33.0, 10: 36.0})}), 4)
+    assert "Verdict (20 test examples per client): FedAvg is not above pFLAlign at the last scored round" in out
+    assert "Verdict (whole test split, the answer): **the lead turns at round 10**" in out
+    assert "Not Table 1's" not in out
 
 
 def test_the_committed_answers_are_the_scripts_output(answers):
@@ -178,7 +197,8 @@ def test_the_figure_draws_every_paired_difference_the_answers_rest_on(answers, t
     for p in (*(tmp_path / "r" / "flan").glob("*/seed0/*"),):
         p.unlink()
     table1(tmp_path / "t", pflalign=(48.3, 48.0, 48.0))
-    _, runs, _, _, remade = answers.collected(tmp_path / "a", tmp_path / "t", tmp_path / "c", tmp_path / "r")
+    _, runs, _, _, remade, _ = answers.collected(tmp_path / "a", tmp_path / "t", tmp_path / "c", tmp_path / "r",
+                                                 tmp_path / "f")
     rows = {(group, label): (d.seeds, [round(x, 2) for x in d.diffs])
             for group, label, d in answers.differences(runs, remade)}
     assert list(rows)[:4] == [("Table 1 (lr 0.04)", "pFLAlign − FedAvg"), ("1", "pFLAlign lr 0.04 − FedAvg lr 0.006"),

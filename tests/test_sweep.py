@@ -259,6 +259,7 @@ def test_issue_38s_grid_files_plan_and_the_committed_runs_are_theirs(tmp_path):
                               ("components", "runs", "flan"), ("validated", "runs", "flan"),
                               ("validated-next", "runs", "flan"),
                               ("curves", "curves/runs", "flan"), ("remake", "remake/runs", "flan"),
+                              ("curves-full", "curves-full/runs", "flan"),
                               ("short-runs", "short-runs/runs", "files")):
         if not (here / f"{phase}.toml").exists():  # written once the runs before it have decided its values
             continue

@@ -17,7 +17,10 @@ The rules, as README.md "Rules, fixed before the runs" states them, made mechani
    own pFLAlign runs kept no checkpoints to rescore: the curves phase re-makes its seed 0 and the
    remake phase its seeds 1-2 (each re-made w_{k,T} score must be Table 1's; said where it is not).
 4. The lead: the first scored round from which FedAvg's mean personalized ROUGE-L in the round_eval
-   lines (20 test examples per client) stays above pFLAlign's, in the curves runs.
+   lines stays above pFLAlign's. As first fixed: in the curves runs (20 test examples per client). As
+   amended in the eighth session (README "Rules"), before any of its runs: the answer is the same rule
+   in the curves-full runs (all 200 test examples per client); the curves runs' verdict is still shown,
+   beside a line that compares their last scored round with the whole test split's final scores.
 An answer needs all three seeds of each run it compares (the curves: seed 0); until then it shows
 what is in and says "waiting".
 """
@@ -256,23 +259,53 @@ def lead_turn(fedavg: dict[int, float], pflalign: dict[int, float]) -> int | Non
     return turn
 
 
-def lead(curves) -> list[str]:
-    lines = ["## 4. When does the lead turn? (4d)", ""]
-    have = {m: eval_curve(curves[m][0]) for m in ("pflalign", "fedavg", "local") if 0 in curves.get(m, {})}
+def curve_verdict(runs, what: str, folder: str) -> tuple[list[str], dict[str, dict[int, float]]]:
+    """The round_eval table of `runs` (seed 0) and the lead rule's verdict on it; the curves by method."""
+    have = {m: eval_curve(runs[m][0]) for m in ("pflalign", "fedavg", "local") if 0 in runs.get(m, {})}
     if "pflalign" not in have or "fedavg" not in have:
-        return lines + ["Verdict: waiting: the curves runs of pFLAlign and FedAvg (seed 0) are not both in."]
+        return [f"Verdict ({what}): waiting: the {folder} runs of pFLAlign and FedAvg (seed 0) are not both in."], have
     rounds = sorted(set().union(*have.values()))
-    lines += ["| round | " + " | ".join(have) + " |", "| --: | " + " | ".join("--:" for _ in have) + " |"]
+    lines = ["| round | " + " | ".join(have) + " |", "| --: | " + " | ".join("--:" for _ in have) + " |"]
     lines += [f"| {r} | " + " | ".join(f"{c[r]:.2f}" if r in c else "–" for c in have.values()) + " |" for r in rounds]
     turn = lead_turn(have["fedavg"], have["pflalign"])
     first = min(set(have["fedavg"]) & set(have["pflalign"]))
     if turn is None:
         verdict = "FedAvg is not above pFLAlign at the last scored round: **the lead does not turn** by then"
     elif turn == first:
-        verdict = f"FedAvg is above pFLAlign from the first scored round ({turn}): **no lead to turn** on this subsample"
+        verdict = f"FedAvg is above pFLAlign from the first scored round ({turn}): **no lead to turn** here"
     else:
         verdict = f"**the lead turns at round {turn}**: from there FedAvg stays above pFLAlign"
-    return lines + ["", f"Verdict: {verdict}."]
+    return lines + ["", f"Verdict ({what}): {verdict}."], have
+
+
+def not_table1(sets, table1) -> list[str]:
+    """"fedavg (curves)", ... for each seed-0 run of `sets` ({folder: runs}) whose Avg is not Table 1's
+    seed 0's: they are its configs again, so a difference means the run is not what it claims."""
+    return [f"{name} ({folder})" for folder, runs in sets.items() for name in runs
+            if 0 in runs[name] and (0 not in table1.get(name, {})
+                                    or round(avg(table1[name][0]), 6) != round(avg(runs[name][0]), 6))]
+
+
+def lead(curves, full=None, table1=None) -> list[str]:
+    lines = ["## 4. When does the lead turn? (4d)", "",
+             "The curves runs, scored every 5 rounds on the first 20 test examples of each client (the rule as "
+             "first fixed):", ""]
+    sub, have = curve_verdict(curves, "20 test examples per client", "curves")
+    lines += sub
+    if "pflalign" in have and "fedavg" in have:
+        last = max(set(have["pflalign"]) & set(have["fedavg"]))
+        whole = {m: avg(curves[m][0]) for m in ("pflalign", "fedavg")}
+        lines += ["", f"Round {last} on the subsample: pFLAlign − FedAvg {have['pflalign'][last] - have['fedavg'][last]:+.2f}; "
+                      f"the same runs' final scores on the whole test split (results.json): "
+                      f"{whole['pflalign'] - whole['fedavg']:+.2f} ({whole['pflalign']:.2f} against {whole['fedavg']:.2f})."]
+    lines += ["", "The curves-full runs, scored every 5 rounds on all 200 test examples of each client (the answer, "
+                  "as amended before they ran):", ""]
+    lines += curve_verdict(full or {}, "whole test split, the answer", "curves-full")[0]
+    differ = not_table1({"curves": {n: r for n, r in curves.items() if RESCORED not in n},
+                         "curves-full": full or {}}, table1 or {})
+    if differ:
+        lines += ["", f"**Not Table 1's final Avg on seed 0, though its config**: {', '.join(differ)}."]
+    return lines
 
 
 def differences(runs, remade) -> list[tuple[str, str, Difference]]:
@@ -323,9 +356,10 @@ def figure(rows: list[tuple[str, str, Difference]], path: Path) -> None:
     plt.close(fig)
 
 
-def collected(analysis: Path, table1: Path, curves: Path, remake: Path):
+def collected(analysis: Path, table1: Path, curves: Path, remake: Path, curves_full: Path):
     """The committed runs by name and seed: Table 1's; Table 1's with the analysis runs; the curves
-    runs; Table 1's pFLAlign re-made (the curves run's seed 0 and the remake runs' seeds 1-2)."""
+    runs; the remake runs; Table 1's pFLAlign re-made (the curves run's seed 0 and the remake runs'
+    seeds 1-2); the curves-full runs."""
     def load(root: Path) -> dict[str, dict[int, Run]]:
         return by_name(find_runs(root)[0] if root.is_dir() else [])
 
@@ -335,34 +369,35 @@ def collected(analysis: Path, table1: Path, curves: Path, remake: Path):
     again = load(remake)
     remade = {name: {**made.get(name, {}), **again.get(name, {})}  # Table 1's pFLAlign: seed 0, then 1-2
               for name in ("pflalign", rescored_name("pflalign")) if name in made or name in again}
-    return t1, runs, made, again, remade
+    return t1, runs, made, again, remade, load(curves_full)
 
 
-ROOTS = (HERE / "runs", TABLE1, HERE / "curves" / "runs", HERE / "remake" / "runs")
+ROOTS = (HERE / "runs", TABLE1, HERE / "curves" / "runs", HERE / "remake" / "runs", HERE / "curves-full" / "runs")
 
 
 def answers(analysis: Path = ROOTS[0], table1: Path = ROOTS[1], curves: Path = ROOTS[2],
-            remake: Path = ROOTS[3]) -> str:
-    return answers_text(*collected(analysis, table1, curves, remake))
+            remake: Path = ROOTS[3], curves_full: Path = ROOTS[4]) -> str:
+    return answers_text(*collected(analysis, table1, curves, remake, curves_full))
 
 
-def answers_text(t1, runs, made, again, remade) -> str:
+def answers_text(t1, runs, made, again, remade, full) -> str:
     out = ["# Issue 38: the answers by the fixed rules", "",
            "Made by [answers.py](answers.py) from the committed runs (rules: [README.md](README.md) and the "
            "script's docstring); Avg is the mean personalized ROUGE-L over the four clients, differences "
            "are paired by seed. Do not edit: collect.sh rewrites it. Every paired difference below, in one "
            "figure: [answers.png](answers.png).", ""]
-    out += step_size(runs) + [""] + components(runs) + [""] + personalized_model(runs, t1, remade) + [""] + lead(made)
+    out += step_size(runs) + [""] + components(runs) + [""] + personalized_model(runs, t1, remade) + [""] + lead(made, full, t1)
     out += [""] + long_run_advice(runs)
-    bad = diverged(runs, [n for n in runs if n not in t1]) + diverged(made, list(made)) + diverged(again, list(again))
+    bad = (diverged(runs, [n for n in runs if n not in t1]) + diverged(made, list(made)) + diverged(again, list(again))
+           + diverged(full, list(full)))
     if bad:
         out += ["", "Diverged runs among them (`pflalign report`'s test): " + ", ".join(bad) + "."]
     return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
-    t1, runs, made, again, remade = collected(*ROOTS)  # read once for both files
-    text = answers_text(t1, runs, made, again, remade)
+    t1, runs, made, again, remade, full = collected(*ROOTS)  # read once for both files
+    text = answers_text(t1, runs, made, again, remade, full)
     (HERE / "answers.md").write_text(text)
     figure(differences(runs, remade), HERE / "answers.png")
     print(text, end="")

@@ -10,7 +10,7 @@
 #
 # and copy finished runs into the repo with collect.sh. PHASES="val matched ..." picks phases.
 # Folders: $RUNS-val (validation grid), $RUNS (matched, components, validated, validated-next), $RUNS-curves,
-# $RUNS-remake.
+# $RUNS-remake, $RUNS-curves-full.
 # PFL=path/to/pflalign runs another checkout's code (e.g. a worktree frozen at one commit, so
 # merges into this one do not reach a running grid); CONF=folder reads the sweep files and the
 # committed runs (--done) from another checkout (default: this folder), so a phase file written
@@ -26,7 +26,7 @@ DATA=${DATA:-$(cd "$repo/../shared/data/flan" 2>/dev/null && pwd)}
 PFL=${PFL:-$repo/.venv/bin/pflalign}
 PY=${PY:-$(dirname "$PFL")/python}  # reads finished runs (the seed-0 divergence test) with this checkout's pflalign
 WORKERS=${WORKERS:-2}
-PHASES=${PHASES:-"val matched components validated curves remake validated-next"}  # README: why this order
+PHASES=${PHASES:-"val matched components validated curves remake curves-full validated-next"}  # README: why this order
 
 sweep() {  # sweep FILE OUT DONE [ARGS...] (DONE: the committed runs, passed once there are some)
   [ -f "$1" ] || { echo "skip $1 (not written yet)"; return 0; }
@@ -97,6 +97,8 @@ for phase in $PHASES; do
     remake)  # Table 1's pFLAlign seeds 1-2 again, to be rescored (Table 1 kept no checkpoints); named as its rows too
          sweep "$here/remake.toml" "$RUNS-remake" "$here/remake/runs"
          rescore_all "$RUNS-remake" "$here/remake/runs" ;;
+    curves-full)  # the curves of pFLAlign and FedAvg again, scored on the whole test split (question 4 only: no rescoring)
+         sweep "$here/curves-full.toml" "$RUNS-curves-full" "$here/curves-full/runs" ;;
   esac
 done
 echo "== grid done ($(date -u +%H:%M))"
