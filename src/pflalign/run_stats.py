@@ -51,17 +51,17 @@ def _train_steps(rows):
 
 def client_starts(rows) -> dict[int, float]:
     """Each client's start: the loss of its first local step (step 0 of the first round it trained,
-    the first train_step line of it in file order), where that loss is finite and above 0 (a ratio to
-    it is what is judged). A client without one has no start."""
+    the first train_step line of it in file order; NaN where that line is not a step 0). Only a start
+    that `judgeable_start` accepts is judged: the report and LossWatch share both."""
     starts: dict[int, float] = {}
-    seen = set()
     for row in _train_steps(rows):
-        c = row["client"]
-        if c not in seen:
-            seen.add(c)
-            if row.get("step") == 0 and math.isfinite(row["loss"]) and row["loss"] > 0:
-                starts[c] = float(row["loss"])
+        starts.setdefault(row["client"], float(row["loss"]) if row.get("step") == 0 else math.nan)
     return starts
+
+
+def judgeable_start(start: float) -> bool:
+    """A client's start that a ratio can be taken to: finite and above 0."""
+    return math.isfinite(start) and start > 0
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def client_blowups(rows) -> list[ClientBlowup]:
 
     `rows`: a run's metrics lines (train_step lines are read, in file order)."""
     rows = list(rows)
-    starts = client_starts(rows)
+    starts = {c: start for c, start in client_starts(rows).items() if judgeable_start(start)}
     sums: dict[int, dict[int, list[float]]] = {}  # client → round → [sum of losses, steps]
     for row in _train_steps(rows):
         c, r, loss = row["client"], row["round"], row["loss"]

@@ -15,7 +15,6 @@ run diverges.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +24,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from ..config import RunConfig, load_saved_config, to_dict
 from ..errors import UserError
-from ..run_stats import DIVERGED_LOSS_RATIO, client_starts, distribution, start_loss  # noqa: F401  (their former home)
+from ..run_stats import DIVERGED_LOSS_RATIO, client_starts, distribution, judgeable_start, start_loss  # noqa: F401  (their former home)
 
 if TYPE_CHECKING:  # types only: the run's folder needs no client or server code (tests/test_layers.py)
     from .server import RoundRecord
@@ -234,10 +233,9 @@ class LossWatch:
         for k, res in zip(record.clients, record.results):
             if not res.losses:
                 continue
-            if k not in self.client_start:
-                self.client_start[k] = res.losses[0]
-            start, loss = self.client_start[k], float(np.mean(res.losses))
-            if not self.client_warned and math.isfinite(start) and start > 0 and not loss <= DIVERGED_LOSS_RATIO * start:
+            start = self.client_start.setdefault(k, res.losses[0])
+            loss = float(np.mean(res.losses))
+            if not self.client_warned and judgeable_start(start) and not loss <= DIVERGED_LOSS_RATIO * start:
                 self.client_warned = True
                 log.warning("round %d: client %d's mean step loss %.3g is %.1f × its first step's loss (%.3g): "
                             "its training is blowing up, which the run's mean can hide (pflalign report lists "
