@@ -26,7 +26,7 @@ DATA=${DATA:-$(cd "$repo/../shared/data/flan" 2>/dev/null && pwd)}
 PFL=${PFL:-$repo/.venv/bin/pflalign}
 PY=${PY:-$(dirname "$PFL")/python}  # reads finished runs (the seed-0 divergence test) with this checkout's pflalign
 WORKERS=${WORKERS:-2}
-PHASES=${PHASES:-"val matched components validated curves remake curves-full validated-next"}  # README: why this order
+PHASES=${PHASES:-"val matched components validated curves curves-full remake validated-next"}  # README: why this order
 
 sweep() {  # sweep FILE OUT DONE [ARGS...] (DONE: the committed runs, passed once there are some)
   [ -f "$1" ] || { echo "skip $1 (not written yet)"; return 0; }
@@ -94,8 +94,11 @@ for phase in $PHASES; do
     curves)  # a folder of its own: its runs are Table 1's seed-0 configs (plus per-round scoring), named as its rows
          sweep "$here/curves.toml" "$RUNS-curves" "$here/curves/runs"
          rescore_all "$RUNS-curves" "$here/curves/runs" ;;
-    remake)  # Table 1's pFLAlign seeds 1-2 again, to be rescored (Table 1 kept no checkpoints); named as its rows too
-         sweep "$here/remake.toml" "$RUNS-remake" "$here/remake/runs"
+    remake)  # Table 1's pFLAlign seeds 1-2 again, to be rescored (Table 1 kept no checkpoints); named as its rows too.
+         # No --done: a committed remake run keeps no adapters either, so a seed whose rescoring is not
+         # committed is trained again (deterministic: collect.sh keeps the committed copy) and then rescored
+         todo=$(for s in 1 2; do [ -f "$here/remake/runs/flan/pflalign@personalized=after_aggregation/seed$s/results.json" ] || echo $s; done | paste -sd,)
+         [ -n "$todo" ] && sweep "$here/remake.toml" "$RUNS-remake" /nonexistent --seeds "$todo"
          rescore_all "$RUNS-remake" "$here/remake/runs" ;;
     curves-full)  # the curves of pFLAlign and FedAvg again, scored on the whole test split (question 4 only: no rescoring)
          sweep "$here/curves-full.toml" "$RUNS-curves-full" "$here/curves-full/runs" ;;
