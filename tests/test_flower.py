@@ -22,10 +22,10 @@ import torch
 from pflalign import checkpoint as ckpt
 from pflalign.run.client_store import client_records
 from pflalign.config import build_config
-from pflalign.run.engine import run as run_in_process
 from pflalign.flower.cluster import Cluster
 
 from test_engine import TINY  # the same tiny federation as the in-process engine's tests
+from test_workers import one_thread_run
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 600  # seconds, one `flwr run`
@@ -50,8 +50,9 @@ def reference(tmp_path_factory):
         key = json.dumps([method, rounds, over], sort_keys=True)
         if key not in cache:
             out = tmp_path_factory.mktemp(f"ref-{method}-{rounds}")
-            results = run_in_process(build_config(None, {**tiny(method), **over}), out, progress=False,
-                                     stop_after=rounds)
+            # one thread, as each Flower app has (OMP_NUM_THREADS=1): on some CPUs a thread count
+            # changes a float result's last bits (seen on an AMD EPYC host, 2026-11-27)
+            results = one_thread_run(build_config(None, {**tiny(method), **over}), out, stop_after=rounds)
             metrics = [json.loads(line) for line in (out / ckpt.METRICS).read_text().splitlines()]
             cache[key] = {"results": results, "metrics": metrics, "out": out,
                           **_with_clients(out)}
@@ -486,8 +487,8 @@ def test_a_malicious_client_is_rejected_and_the_honest_result_unaffected(tmp_pat
     assert missing["id"] == 1 and "evaluation rejected: metric 'n_train' is 1000000000" in missing["reason"] \
         and "max-size-ratio=10" in missing["reason"], missing
     # the honest client's result is FedAvg over itself alone, as if client 1 did not exist
-    run_in_process(build_config(None, {**tiny("fedavg"), **over, "data": {**TINY["data"], "clients": ["arithmetic"]}}),
-                   tmp_path / "alone", progress=False)
+    one_thread_run(build_config(None, {**tiny("fedavg"), **over, "data": {**TINY["data"], "clients": ["arithmetic"]}}),
+                   tmp_path / "alone")
     alone = _with_clients(tmp_path / "alone")
     assert_close(ckpt.load_checkpoint(out / ckpt.CHECKPOINT)["global"], alone["global"], "global adapter")
     assert_close(personalized(clients, results, 0, 5), alone["clients"][0]["personalized"], "client 0 personalized")

@@ -27,7 +27,7 @@ from flwr.app import ConfigRecord, Context, RecordDict  # noqa: E402
 
 from pflalign import checkpoint as ckpt  # noqa: E402
 from pflalign.config import build_config  # noqa: E402
-from pflalign.run.engine import Federation, run as run_in_process  # noqa: E402
+from pflalign.run.engine import Federation  # noqa: E402
 from pflalign.errors import UserError  # noqa: E402
 from pflalign.flower import client_app, strategy as strategy_module, wire  # noqa: E402
 from pflalign.flower.strategy import MethodStrategy  # noqa: E402
@@ -36,6 +36,7 @@ from pflalign.methods import method_class  # noqa: E402
 from pflalign.run.server import Server  # noqa: E402
 
 from test_engine import TINY  # noqa: E402
+from test_workers import one_thread_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -250,12 +251,7 @@ def test_a_partitioned_simulation_equals_in_process_bit_for_bit(tmp_path):
                               eval={**TINY["eval"], "clients": 3, "base_model": False})
     ref = tmp_path / "ref"
     # float results depend on the thread count: the reference with the one thread the actor has
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        reference = run_in_process(build_config(None, config), ref, progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    reference = one_thread_run(build_config(None, config), ref)
     cluster = Cluster(tmp_path, REPO, clients=4, simulation=True, runtime_cpus=1,
                       env={"PFLALIGN_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"})
     try:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from test_pinned_results import numerics_fingerprint
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -55,8 +57,12 @@ def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
         assert "error" not in report[name], report[name]
     assert report["matmul_peak"]["tflops"] > 0
     fp32, bf16 = report["correctness"]["float32"]["fedavg"], report["correctness"]["bfloat16"]["fedavg"]
-    # the same host as the reference: float32 bit for bit
-    assert fp32["pass"] and fp32["max_rel_diff_loss"] == 0 and fp32["max_rel_diff_global_adapter"] == 0
+    # float32 within RTOL_FP32; bit for bit on the CPU kind the reference was made on (on another,
+    # e.g. an AMD EPYC host, 2026-11-27, kernels round differently: 3e-7 relative)
+    assert fp32["pass"]
+    reference = json.loads(gpu.REFERENCE.with_suffix(".json").read_text())
+    if numerics_fingerprint() == reference["cpu_host"]:
+        assert fp32["max_rel_diff_loss"] == 0 and fp32["max_rel_diff_global_adapter"] == 0
     # bfloat16 really ran in bfloat16 (not equal to float32), close, and the adapter stayed float32
     assert bf16["pass"] and 0 < bf16["max_rel_diff_global_adapter"] <= gpu.RTOL_BF16
     assert bf16["adapter_and_server_state_dtypes"] == ["torch.float32"]
@@ -102,3 +108,21 @@ def test_the_tree_a_gpu_call_takes_stays_well_inside_its_limit():
     assert not plain, f"commit runs with docs/results/keep-run.sh (JSON lines gzipped): {plain[:3]}"
     size = sum((ROOT / name).stat().st_size for name in names if (ROOT / name).is_file())
     assert size < 48 * 2**20, f"the tracked tree is {size / 2**20:.1f} MiB; a device call takes 64 MiB in all"
+
+
+def test_the_reference_names_the_cpu_kind_it_was_made_on(gpu):
+    """Its adapters hash to that kind's pins (tests/pinned_results.json): the host the bit-for-bit
+    check above trusts is the one the reference came from."""
+    from safetensors.torch import load_file
+
+    from test_pinned_results import PINS, digest
+
+    reference = json.loads(gpu.REFERENCE.with_suffix(".json").read_text())
+    pins = json.loads(PINS.read_text())["hosts"][reference["cpu_host"]]["in_process"]
+    tensors = load_file(str(gpu.REFERENCE.with_suffix(".safetensors")))
+    methods = [m for m in reference if m != "cpu_host"]
+    assert methods == ["pflalign", "fedavg", "scaffold", "fedsa-lora"]
+    for method in methods:
+        adapter = {n.split("/", 1)[1]: t for n, t in tensors.items() if n.startswith(f"{method}/")}
+        assert digest(adapter) == pins[method]["global"], method
+        assert reference[method]["global_adapter_hash_equals_pin"]

@@ -25,6 +25,9 @@ match; on an unknown one only the host-independent hashes can be compared
 (results, predictions, config), and the test warns that the bitwise
 comparison was not made. Pin a new host from a commit known to be right
 (the tests passing on a pinned host), never from the change under test.
+The third kind, an AMD EPYC host (2026-11-27, f200e3a6…), was pinned with
+src/ as at 7f1cd16, whose CI had passed; there a thread count changes the
+last bits too, so a reference for a one-thread process runs on one thread.
 """
 
 from __future__ import annotations
