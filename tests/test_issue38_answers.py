@@ -20,15 +20,18 @@ def answers():
     return module
 
 
-def put(root: Path, name: str, avgs: list[float], curve: dict[int, float] | None = None) -> None:
+def put(root: Path, name: str, avgs: list[float], curve: dict[int, float] | None = None,
+        global_avgs: list[float] | None = None) -> None:
     """Runs of `name` (seeds 0, 1, ... with these Avgs) under root/flan/, as the grid writes them;
-    `curve`: round → personalized ROUGE-L of its round_eval lines (two clients, both that value)."""
+    `curve`: round → personalized ROUGE-L of its round_eval lines (two clients, both that value);
+    `global_avgs`: the global model's Avg per seed (a rescoring keeps its source's)."""
     for seed, avg in enumerate(avgs):
         d = root / "flan" / name / f"seed{seed}"
         d.mkdir(parents=True)
         method = name.split("@")[0]
+        glob = {"avg_rouge_l_global": global_avgs[seed]} if global_avgs else {}
         (d / ckpt.RESULTS).write_text(json.dumps({
-            "method": method, "seed": seed, "avg_rouge_l_personalized": avg,
+            "method": method, "seed": seed, "avg_rouge_l_personalized": avg, **glob,
             "clients": [{"id": 0, "task": "t", "rouge_l_personalized": avg}]}))
         (d / ckpt.CONFIG).write_text("{}")
         lines = [{"event": "round_eval", "round": r - 1, "client": c, "task": "t", "rouge_l_personalized": v}
@@ -127,6 +130,19 @@ def test_question_3_says_when_a_re_made_run_is_not_table_1s(answers, tmp_path):
                        curves={"pflalign": ([48.3], None), "pflalign@personalized=after_aggregation": ([49.6], None)},
                        remake={"pflalign": [48.0, 47.0], "pflalign@personalized=after_aggregation": [49.0, 49.0]}), 3)
     assert "(Table 1's, re-made; **its w_{k,T} Avg is not Table 1's on seed 0, 2**)" in out
+
+
+def test_question_3_says_when_a_rescoring_is_not_of_the_run_beside_it(answers, tmp_path):
+    """A rescoring keeps its source's global score; where it differs from the w_kT run's (seed 1 here: a
+    committed run trained again on another CPU kind, say), the two are not one checkpoint scored twice."""
+    put(tmp_path / "a", "pflalign@lr=0.33", [48.0] * 3, global_avgs=[45.0, 46.0, 47.0])
+    put(tmp_path / "a", "pflalign@lr=0.33,personalized=after_aggregation", [50.0] * 3, global_avgs=[45.0, 46.1, 47.0])
+    put(tmp_path / "a", "pflalign@beta=0.5", [49.0] * 3, global_avgs=[45.0, 46.0, 47.0])
+    put(tmp_path / "a", "pflalign@beta=0.5,personalized=after_aggregation", [49.5] * 3, global_avgs=[45.0, 46.0, 47.0])
+    table1(tmp_path / "t")
+    out = section(answers.answers(*(tmp_path / d for d in "atcrf")), 3)
+    assert "| pflalign@lr=0.33 (**rescored from another checkpoint than this w_{k,T} run on seed 1**) | 0, 1, 2 |" in out
+    assert "| pflalign@beta=0.5 | 0, 1, 2 |" in out
 
 
 @pytest.mark.parametrize("fedavg, pflalign, turn", [

@@ -88,6 +88,11 @@ def avg(run: Run) -> float:
     return run.results["avg_rouge_l_personalized"]
 
 
+def global_avg(run: Run) -> float | None:
+    value = run.results.get("avg_rouge_l_global")
+    return None if value is None else round(value, 6)
+
+
 def by_name(runs: list[Run]) -> dict[str, dict[int, Run]]:
     out: dict[str, dict[int, Run]] = {}
     for r in runs:
@@ -185,11 +190,15 @@ def personalized_model(runs, table1, remade) -> list[str]:
         a = statistics.fmean(avg(source[name][i]) for i in seeds)
         b = statistics.fmean(avg(alt[i]) for i in seeds)
         ra, rb = rank(a, rows), rank(b, rows)
-        note = ""
+        # a rescoring keeps its source's global score: where the two differ, the w_{k,T} run beside it is not the
+        # checkpoint it rescored (e.g. a committed remake run trained again on a CPU kind that rounds otherwise)
+        other = [i for i in seeds if global_avg(source[name][i]) != global_avg(alt[i])]
+        note = (f" (**rescored from another checkpoint than this w_{{k,T}} run on seed {', '.join(map(str, other))}**)"
+                if other else "")
         if source is remade:  # the same configs and seeds as Table 1's runs: their w_kT scores must be Table 1's
             t1 = table1.get("pflalign", {})
             differ = [i for i in seeds if i not in t1 or round(avg(t1[i]), 6) != round(avg(source[name][i]), 6)]
-            note = (" (Table 1's, re-made" +
+            note += (" (Table 1's, re-made" +
                     (f"; **its w_{{k,T}} Avg is not Table 1's on seed {', '.join(map(str, differ))}**" if differ else "")
                     + ")")
         lines.append(f"| {name}{note} | {', '.join(map(str, seeds))} | {a:.2f} | {ra} of {len(rows) + 1} | "

@@ -97,9 +97,12 @@ for phase in $PHASES; do
     remake)  # Table 1's pFLAlign seeds 1-2 again, to be rescored (Table 1 kept no checkpoints); named as its rows too.
          # No --done: a committed remake run keeps no adapters either, so a seed whose rescoring is not
          # committed is trained again (deterministic: collect.sh keeps the committed copy) and then rescored
-         todo=$(for s in 1 2; do [ -f "$here/remake/runs/flan/pflalign@personalized=after_aggregation/seed$s/results.json" ] || echo $s; done | paste -sd,)
-         [ -n "$todo" ] && sweep "$here/remake.toml" "$RUNS-remake" /nonexistent --seeds "$todo"
-         rescore_all "$RUNS-remake" "$here/remake/runs" ;;
+         # seed by seed, each rescored as soon as it is trained
+         for s in 1 2; do
+           [ -f "$here/remake/runs/flan/pflalign@personalized=after_aggregation/seed$s/results.json" ] && continue
+           sweep "$here/remake.toml" "$RUNS-remake" /nonexistent --seeds "$s"
+           rescore_all "$RUNS-remake" "$here/remake/runs"
+         done ;;
     curves-full)  # the curves of pFLAlign and FedAvg again, scored on the whole test split (question 4 only: no rescoring)
          sweep "$here/curves-full.toml" "$RUNS-curves-full" "$here/curves-full/runs" ;;
   esac
