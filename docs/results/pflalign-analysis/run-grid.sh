@@ -96,8 +96,8 @@ for phase in $PHASES; do
          rescore_all "$RUNS-curves" "$here/curves/runs" ;;
     remake)  # Table 1's pFLAlign seeds 1-2 again, to be rescored (Table 1 kept no checkpoints); named as its rows too.
          # No --done: a committed remake run keeps no adapters either, so a seed whose rescoring is not
-         # committed is trained again (deterministic: collect.sh keeps the committed copy) and then rescored
-         # seed by seed, each rescored as soon as it is trained
+         # committed is trained again (collect.sh keeps the committed copy; made on another CPU kind it is
+         # another checkpoint, which answers.md flags) and then rescored, seed by seed, as soon as it is trained
          for s in 1 2; do
            [ -f "$here/remake/runs/flan/pflalign@personalized=after_aggregation/seed$s/results.json" ] && continue
            sweep "$here/remake.toml" "$RUNS-remake" /nonexistent --seeds "$s"
