@@ -35,7 +35,8 @@ made with a different config is refused, so a table never mixes settings.
 `--done DIR` names folders of finished runs kept elsewhere in the same layout
 (e.g. the small files committed under docs/results/table1-flan/runs): a run
 found there with the same config counts as finished, so a fresh machine runs
-only what is left. A run whose training reaches a NaN or Inf stops alone (its last
+only what is left (its data folder and device may differ: `data.dir` and `device`
+are not compared for such a copy). A run whose training reaches a NaN or Inf stops alone (its last
 checkpoint kept) and the sweep goes on; it ends with one line naming such runs, exit 2.
 """
 
@@ -347,8 +348,11 @@ def _check_same_config(run: PlannedRun) -> None:
     except (UserError, ValueError, OSError) as exc:  # ValueError: not JSON, not UTF-8
         raise UserError(f"{saved_path}: unreadable saved config ({exc})") from exc
     wanted = flat(json.loads(json.dumps(to_dict(run.cfg))))
-    if run.done is not None:  # a copy made on another machine: the same data may lie elsewhere there
-        saved.pop("data.dir", None), wanted.pop("data.dir", None)
+    if run.done is not None:  # a copy made on another machine: the same data may lie elsewhere there,
+        # and it may have run on another device (a GPU's float32 differs from a CPU's in the last bits,
+        # as two CPU kinds' do); the dtype, which changes results beyond that, is still compared
+        for key in ("data.dir", "device"):
+            saved.pop(key, None), wanted.pop(key, None)
     diffs = [f"{k}: {saved.get(k)!r} there, {wanted.get(k)!r} now"
              for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
     if diffs:
