@@ -113,6 +113,31 @@ def test_dtype_and_file_content_are_in_the_key(gguf, tmp_path):
     assert torch.equal(model.model.layers[0].mlp.up_proj.weight, direct.model.layers[0].mlp.up_proj.weight)
 
 
+def test_special_tokens_are_the_ggufs_own(gguf, monkeypatch):
+    """BOS, EOS and padding as the GGUF's metadata names them, also where transformers' converter
+    swaps BOS and EOS (5.0-5.17 do, for GPT-2-style tokenizers: simulated here; the CI's 5.24 reads
+    them right), and in the cached copy that later loads read."""
+    assert model_cache.gguf_special_tokens(gguf) == {"bos_token": 258, "eos_token": 259, "pad_token": 260}
+    _, tok = model_cache.load_gguf(gguf, torch.float32)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<pad>")
+
+    import transformers
+
+    real = transformers.AutoTokenizer.from_pretrained.__func__
+
+    def swapped(cls, *args, **kw):
+        t = real(cls, *args, **kw)
+        if kw.get("gguf_file"):  # the conversion from the GGUF: as transformers 5.17 does it
+            t.bos_token, t.eos_token = t.eos_token, t.bos_token
+        return t
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(swapped))
+    _, bad = model_cache.load_gguf(gguf, torch.float32)  # the swap happens, and is undone
+    assert (bad.bos_token, bad.eos_token, bad.eos_token_id) == ("<|im_start|>", "<|im_end|>", 259)
+    _, cached = load_base_model(str(gguf))  # built with the swap, then read back from the folder
+    assert (cached.bos_token, cached.eos_token, cached.pad_token) == ("<|im_start|>", "<|im_end|>", "<pad>")
+
+
 def test_unwritable_cache_still_loads(gguf, monkeypatch, tmp_path):
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the cache folder should be")

@@ -50,7 +50,7 @@ from .. import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # the folder's layout and content; bump to invalidate every entry
+FORMAT = 2  # the folder's layout and content; bump to invalidate every entry (2: special tokens from the GGUF)
 WEIGHTS = "model.safetensors"
 KEY_FILE = "key.json"  # written last inside the folder; the folder is renamed into place after it
 
@@ -117,12 +117,39 @@ def progress_enabled() -> bool:
     return hf_logging.is_progress_bar_enabled()
 
 
+def gguf_special_tokens(path: Path) -> dict[str, int]:
+    """The GGUF's own special-token ids: {"bos_token": id, "eos_token": id, "pad_token": id}, those it names."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    out = {}
+    for attr, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "padding_token_id")):
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is not None:
+            out[attr] = int(field.contents())
+    return out
+
+
+def set_special_tokens(tok, ids: dict[str, int], source: str) -> None:
+    """Give `tok` the special tokens `ids` names (the GGUF's), where it has others. transformers 5.0-5.17
+    swap BOS and EOS when they convert a GPT-2-style GGUF tokenizer (integrations/ggml.py; fixed in
+    5.18): SmolLM2's EOS became <|im_start|>, so every training answer ended in the wrong token and
+    greedy answers came out empty (seen on a GPU image with 5.17: ROUGE-L 16 where 5.24 gives 50)."""
+    for attr, token_id in ids.items():
+        token = tok.convert_ids_to_tokens(token_id)
+        if getattr(tok, attr) != token:
+            log.info("%s: %s set to %r (id %d), the GGUF's own, not %r", source, attr, token, token_id,
+                     getattr(tok, attr))
+            setattr(tok, attr, token)
+
+
 def load_gguf(path: Path, dtype: torch.dtype):
     """(model, tokenizer) from the GGUF file itself: the slow path."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = dict(gguf_file=path.name)
     tok = AutoTokenizer.from_pretrained(path.parent, **kw)
+    set_special_tokens(tok, gguf_special_tokens(path), path.name)
     with gguf_progress_bar(progress_enabled()):
         model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=dtype, **kw)
     return model, tok
