@@ -21,6 +21,14 @@
 # whatever is unfinished at DEADLINE_S seconds, and writes every finished run's small files
 # (../keep-run.sh) as runs.tar.gz to OUT, with the logs: runs/ and remake/, as under this folder.
 # DEVICE=cpu and EXTRA="--set rounds=1 ..." run the same plumbing here at toy size (a check, not results).
+#
+# What it gave (tenth session, one H100, image torch 2.11 + transformers 5.17): FedSA-LoRA seed 2 ran the
+# whole protocol in 5.7 min and scored 16.49 with empty or degenerate answers, and the two pFLAlign runs
+# reached round 42 of 50 by the 530 s deadline (about 12.6 s a round, three runs sharing the GPU). Cause:
+# transformers 5.0-5.17 swap the GGUF tokenizer's BOS and EOS, fixed in pflalign since (b1d4f2a;
+# benchmarks/README.md, "The default model on a GPU"); nothing of that call was kept. With the fix, the
+# image reproduces this CPU's short FLAN run word for word. A 10-minute call holds about two runs side by
+# side with their final scoring (one pFLAlign run plus its rescoring is ~8 min at that pace), not three.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
