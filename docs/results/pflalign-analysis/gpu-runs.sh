@@ -28,7 +28,7 @@
 # transformers 5.0-5.17 swap the GGUF tokenizer's BOS and EOS, fixed in pflalign since (b1d4f2a;
 # benchmarks/README.md, "The default model on a GPU"); nothing of that call was kept. With the fix, the
 # image reproduces this CPU's short FLAN run word for word. A 10-minute call holds about two runs side by
-# side with their final scoring (one pFLAlign run plus its rescoring is ~8 min at that pace), not three.
+# side with their final scoring, not three (an estimate from those paces; no run was timed alone).
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
