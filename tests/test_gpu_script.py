@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_pinned_results import numerics_fingerprint
+from test_pinned_results import PINS, digest, numerics_fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -114,8 +114,6 @@ def test_the_reference_names_the_cpu_kind_it_was_made_on(gpu):
     """Its adapters hash to that kind's pins (tests/pinned_results.json): the host the bit-for-bit
     check above trusts is the one the reference came from."""
     from safetensors.torch import load_file
-
-    from test_pinned_results import PINS, digest
 
     reference = json.loads(gpu.REFERENCE.with_suffix(".json").read_text())
     pins = json.loads(PINS.read_text())["hosts"][reference["cpu_host"]]["in_process"]

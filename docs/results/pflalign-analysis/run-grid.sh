@@ -98,7 +98,7 @@ for phase in $PHASES; do
          # No --done: a committed remake run keeps no adapters either, so a seed whose rescoring is not
          # committed is trained again (collect.sh keeps the committed copy; made on another CPU kind it is
          # another checkpoint, which answers.md flags) and then rescored, seed by seed, as soon as it is trained
-         for s in 1 2; do
+         for s in $("$PY" -c 'import sys, tomllib; print(*tomllib.load(open(sys.argv[1], "rb"))["seeds"])' "$here/remake.toml"); do
            [ -f "$here/remake/runs/flan/pflalign@personalized=after_aggregation/seed$s/results.json" ] && continue
            sweep "$here/remake.toml" "$RUNS-remake" /nonexistent --seeds "$s"
            rescore_all "$RUNS-remake" "$here/remake/runs"
