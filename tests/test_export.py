@@ -409,3 +409,17 @@ def test_base_and_card_for_a_hub_id_a_folder_and_an_unscored_client(tmp_path):
     assert "| sorting | 12 | 4 | 12.50 (25.00) | 10.00 (-) | - (-) |" in card
     assert "not among the clients scored" in model_card(cfg, "arithmetic", base, results)
     assert "Not scored" in model_card(cfg, "arithmetic", base, None)
+
+
+def test_a_gguf_base_that_cannot_be_cached_is_named_with_what_old_transformers_need(tmp_path, monkeypatch):
+    """Without a writable cache the adapters name the GGUF itself; its sentence says what a user on
+    transformers 5.0-5.17 must set, which swap that GGUF tokenizer's BOS and EOS on loading."""
+    from pflalign.model import model_cache
+    from pflalign.run.export import base_model
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    monkeypatch.setattr(model_cache, "cached_folder", lambda *a, **k: None)
+    location, what = base_model(str(gguf))
+    assert location == str(gguf.resolve())
+    assert "gguf_file=" in what and "bos_token" in what and "5.0-5.17" in what

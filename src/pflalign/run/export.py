@@ -105,7 +105,10 @@ def base_model(spec: str, dtype: str = "float32", copy: Path | None = None) -> t
         folder = cached_folder(gguf, getattr(torch, dtype), cache_dir() / "dequantized")
         if folder is not None:
             return str(folder), f"{_what(spec)}, in transformers format ({dtype}) in pflalign's model cache"
-        return str(gguf.resolve()), f"{_what(spec)}: the cache could not be written; load it with gguf_file="
+        # transformers 5.0-5.17 swap a GPT-2-style GGUF tokenizer's BOS and EOS (model_cache.set_special_tokens)
+        return str(gguf.resolve()), (f"{_what(spec)}: the cache could not be written; load it with gguf_file= "
+                                     "(on transformers 5.0-5.17 set the tokenizer's bos_token and eos_token "
+                                     "to the GGUF's tokenizer.ggml.bos_token_id and eos_token_id)")
     path = Path(spec).expanduser()
     if path.exists():
         return str(path.resolve()), f"the model folder {path.resolve()}"
