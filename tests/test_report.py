@@ -115,6 +115,7 @@ def test_report_writes_table_1_and_figures(sweep_dir, tmp_path, capsys):
         assert width > 300 and height > 200, name
     report = (tmp_path / "report.md").read_text()
     assert "synthetic/gsnr.png" in report and "client sorting" in report and "broken" in report
+    assert "ROUGE-L over rounds on 1 test example per client" in report  # eval.every_max_test=1 cut it
 
 
 def test_paired_differences_by_hand(sweep_dir, tmp_path):

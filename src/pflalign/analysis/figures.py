@@ -392,6 +392,11 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
         _rouge_bars(path, tasks, rows)
         return True
 
+    # what the per-round scores were computed on: eval.every_max_test may or may not cut the test split
+    scored = sorted({m["n_test"] for r in trained for m in r.events("round_eval") if m.get("n_test")})
+    on = "" if not scored else (f" on {scored[0]}" if len(scored) == 1 else f" on {scored[0]}–{scored[-1]}") + \
+        (" test example per client" if scored == [1] else " test examples per client")
+
     def rouge_rounds(path: Path) -> bool:
         def eval_mean(key):
             def points(r: Run) -> dict:
@@ -406,7 +411,7 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
         return _line_figure(path, curves,
                             [("personalized", "personalized ROUGE-L, mean over clients"),
                              ("global", "global ROUGE-L, mean over clients")],
-                            "round", "ROUGE-L over rounds on the per-round test subsample (eval.every)",
+                            "round", f"ROUGE-L over rounds (eval.every){on}",
                             y_from_zero=True)
 
     if sweeps(rows):  # most reports hold no sweep: no note for a figure nobody asked for
@@ -421,6 +426,6 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
         f"{len(tasks)} clients are more than {MAX_BAR_CLIENTS} bars can show; see the scatter")
     add("rouge_scatter.png", "Per-client ROUGE-L, personalized vs global", lambda p: _rouge_scatter(p, runs),
         "no client has both a personalized and a global score")
-    add("rouge_rounds.png", "ROUGE-L over rounds (test subsample)", rouge_rounds,
+    add("rouge_rounds.png", f"ROUGE-L over rounds{on or ' (test subsample)'}", rouge_rounds,
         "no round_eval lines (runs made without eval.every)")
     return drawn, skipped
