@@ -394,8 +394,10 @@ def write_figures(runs: list[Run], tasks: list[str], rows: list[Row], folder: Pa
 
     # what the per-round scores were computed on: eval.every_max_test may or may not cut the test split
     scored = sorted({m["n_test"] for r in trained for m in r.events("round_eval") if m.get("n_test")})
-    on = "" if not scored else (f" on {scored[0]}" if len(scored) == 1 else f" on {scored[0]}–{scored[-1]}") + \
-        (" test example per client" if scored == [1] else " test examples per client")
+    on = ""
+    if scored:
+        count = str(scored[0]) if len(scored) == 1 else f"{scored[0]}–{scored[-1]}"
+        on = f" on {count} test {'example' if scored == [1] else 'examples'} per client"
 
     def rouge_rounds(path: Path) -> bool:
         def eval_mean(key):
