@@ -13,6 +13,7 @@ from pflalign import checkpoint as ckpt
 from pflalign.cli import main
 from pflalign.run.engine import run
 from pflalign.errors import UserError
+from pflalign.settings import to_dict
 from pflalign.sweep import plan_sweep, run_sweep
 
 SWEEP = """
@@ -413,3 +414,21 @@ def test_flat_and_merge_the_configs_that_sweep_and_rescore_compare():
     merged = merge(saved, {"eval": {"every": 2}, "method_args": {"personalized": "x"}, "lr": [1, 2]})
     assert merged == {"lr": [1, 2], "method_args": {"personalized": "x"}, "eval": {"every": 2, "batch_size": 4}}
     assert saved == {"lr": 0.1, "method_args": {}, "eval": {"every": 0, "batch_size": 4}}  # inputs unchanged
+
+
+def test_dolly_grid_files_plan_the_preset_and_the_step_size_rows(tmp_path):
+    """Issue 58: docs/results/table1-dolly/table1.toml is the preset table1-dolly (the same 33
+    configs, FLAN's validated method arguments), in another order; step-size.toml adds 6 runs."""
+    folder = Path(__file__).resolve().parent.parent / "docs" / "results" / "table1-dolly"
+    dolly = tmp_path / "dolly.jsonl"
+    dolly.write_text("")
+    preset = plan_sweep("table1-dolly", tmp_path / "a", data_dir=str(dolly))
+    mine = plan_sweep(str(folder / "table1.toml"), tmp_path / "a", data_dir=str(dolly))
+    assert sorted((r.key, repr(to_dict(r.cfg))) for r in mine) == sorted(
+        (r.key, repr(to_dict(r.cfg))) for r in preset)
+    args = {r.method: r.cfg.method_args for r in preset}
+    assert args["pflalign"]["beta"] == 0.8 and args["fedprox"]["mu"] == 1.0 and args["feddyn"]["alpha"] == 0.1
+    assert {(r.cfg.lr, r.cfg.rounds, r.cfg.local_steps, r.cfg.max_seq_len) for r in preset} == {(0.04, 50, 5, 1024)}
+    steps = plan_sweep(str(folder / "step-size.toml"), tmp_path / "a", data_dir=str(dolly))
+    assert sorted({(r.method, r.cfg.lr) for r in steps}) == [("fedavg@lr=0.16", 0.16), ("pflalign@lr=0.33", 0.33)]
+    assert len(steps) == 6 and all(r.cfg.method_args.get("beta", 0.8) == 0.8 for r in steps)

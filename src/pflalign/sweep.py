@@ -73,9 +73,12 @@ SWEEP_PRESETS: dict[str, dict] = {
                     # (docs/results/table1-flan/diverged)
                     "method_args": {"fedprox": {"mu": 1.0}, "fedsam": {"rho": 0.5}, "feddyn": {"alpha": 0.1},
                                     "fedyogi": {"server_lr": 0.01, "tau": 1e-3}, "pflalign": {"beta": 0.8}}},
+    # FLAN's validated values, not tuned again on Dolly (issue 58: no new tuning toward the paper;
+    # docs/results/table1-dolly/README.md)
     "table1-dolly": {"methods": TABLE1_METHODS, "seeds": [0, 1, 2],
                      "datasets": [{"name": "dolly", "config": "dolly-paper"}]},
 }
+SWEEP_PRESETS["table1-dolly"]["method_args"] = SWEEP_PRESETS["table1-flan"]["method_args"]
 
 # Choosing the baselines' key hyperparameters (and pFLAlign's β, with the same budget of 4
 # values) on a validation split carved from each client's training data (data.validation:
