@@ -29,7 +29,7 @@ from pflalign import checkpoint as ckpt  # noqa: E402
 from pflalign.config import build_config  # noqa: E402
 from pflalign.run.engine import Federation  # noqa: E402
 from pflalign.errors import UserError  # noqa: E402
-from pflalign.flower import client_app, strategy as strategy_module, wire  # noqa: E402
+from pflalign.flower import client_app, nodes as nodes_module, wire  # noqa: E402
 from pflalign.flower.strategy import MethodStrategy  # noqa: E402
 from pflalign.run.lifecycle import sample_clients  # noqa: E402
 from pflalign.methods import method_class  # noqa: E402
@@ -164,7 +164,7 @@ def no_sleep(monkeypatch):
     """No waiting between looks, and the task identity Flower sets in a ServerApp process (messages need it)."""
     from flwr.supercore.task_identity import TaskIdentity
 
-    monkeypatch.setattr(strategy_module.time, "sleep", lambda s: None)
+    monkeypatch.setattr(nodes_module.time, "sleep", lambda s: None)
     for key, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, key, value)
 

@@ -7,7 +7,8 @@ it; besides it holds what only a Flower run has: per client, how many rounds
 it has finished and the |D_k| it declared, and the DP noise of each round
 (`state_dict` / `load_state_dict`: the checkpoint's ``flower`` entry). Which
 SuperNode is which client (their node config's ``partition-id``, asked with a
-``query`` message) is its `Nodes`' business.
+``query`` message) is its `Nodes`' business (nodes.py); matching and checking the replies is
+`replies.ReplyChecks`' (replies.py, over validate.py's checks).
 
 * `configure_train`: the round's participants are `lifecycle.sample_clients`
   (the same seeded sample); each is sent w^r and ``method.broadcast(...)``.
@@ -39,9 +40,7 @@ so that every round is checkpointed and a run can resume.
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -51,11 +50,12 @@ from flwr.serverapp.strategy import Strategy
 
 from ..run.client import ClientRound
 from ..config import RunConfig
-from ..errors import TrainingDiverged, UserError
+from ..errors import UserError
 from ..run.lifecycle import eval_clients, sample_clients
 from ..params import Params
 from ..run.server import RoundPlan, RoundRecord, Server
-from . import privacy as priv, validate, wire
+from . import privacy as priv, replies as checks, validate, wire
+from .nodes import Nodes
 
 log = logging.getLogger("flwr.pflalign")
 
@@ -83,78 +83,6 @@ class EvalOutcome:
     missing: dict[int, str]
 
 
-class Nodes:
-    """Which SuperNode is which client: asks new SuperNodes (one batch of ``query`` messages for
-    all the SuperNodes that appeared since the last look), forgets gone ones."""
-
-    def __init__(self, names: list[str], query_timeout: float = 120.0):
-        self.names = names
-        self.query_timeout = query_timeout
-        self.of: dict[int, int] = {}  # client (partition-id) → SuperNode id
-        self.seen: set[int] = set()  # clients that have had a SuperNode in this run (gone ones are not waited for)
-        self.strangers: set[int] = set()  # SuperNodes that did not answer the query (not asked again)
-
-    def name(self, k: int) -> str:
-        return f"client {k} ({self.names[k]})"
-
-    def connect(self, grid: Grid, need: Iterable[int] = (), deadline: float | None = None) -> list[int]:
-        """Ask new SuperNodes which client they are, forget gone ones; until `deadline`
-        (`time.monotonic()`; None: do not wait), wait for the clients of `need` that have never
-        had a SuperNode. Returns those still without one."""
-        need = sorted(set(need))
-        last_log = time.monotonic()
-        while True:
-            live = set(grid.get_node_ids())
-            self.of = {k: n for k, n in self.of.items() if n in live}
-            new = sorted(live - set(self.of.values()) - self.strangers)
-            if new:
-                self._identify(grid, new)
-            waiting = [k for k in need if k not in self.seen]
-            if not waiting or deadline is None or time.monotonic() >= deadline:
-                return waiting
-            if time.monotonic() - last_log >= 30:
-                last_log = time.monotonic()
-                log.info("waiting for the SuperNodes of %d clients (%s); %.0f s left (connect-timeout)",
-                         len(waiting), ", ".join(self.name(k) for k in waiting[:4]) + (", ..." if len(waiting) > 4
-                                                                                      else ""),
-                         deadline - time.monotonic())
-            time.sleep(1.0)
-
-    def _identify(self, grid: Grid, node_ids: list[int]) -> None:
-        queries = [Message(RecordDict({"config": ConfigRecord()}), node, MessageType.QUERY) for node in node_ids]
-        self.strangers.update(node_ids)  # until they answer
-        found = []
-        for reply in grid.send_and_receive(queries, timeout=self.query_timeout):  # one push, all the replies
-            if reply.has_error():
-                log.warning("a SuperNode did not say which client it is: %s", reply.error.reason)
-                continue
-            info = reply.content["info"]
-            k, n, node = int(info["partition-id"]), int(info["num-partitions"]), reply.metadata.src_node_id
-            self.strangers.discard(node)
-            if n != len(self.names) or not 0 <= k < n:
-                raise UserError(f"SuperNode {node} has partition-id={k} num-partitions={n}, but the run has "
-                                f"{wire.describe_clients(self.names)}: start one SuperNode per client with "
-                                f"partition-id=0 ... {len(self.names) - 1} num-partitions={len(self.names)} (on "
-                                f"the Simulation Engine: num-supernodes={len(self.names)})")
-            if k in self.of and self.of[k] != node:  # a restarted node, or a misconfigured one
-                log.warning("SuperNode %d replaces SuperNode %d as %s", node, self.of[k], self.name(k))
-            self.of[k] = node
-            self.seen.add(k)
-            found.append((k, node))
-        for k, node in sorted(found)[:8]:
-            log.info("SuperNode %d is %s", node, self.name(k))
-        if len(found) > 8:
-            log.info("... and %d more SuperNodes: %d of %d clients connected", len(found) - 8, len(self.of),
-                     len(self.names))
-
-    def unreached(self, clients: Iterable[int], timeout: float) -> dict[int, str]:
-        """The clients of `clients` without a SuperNode now → why."""
-        return {k: ("its SuperNode is not connected" if k in self.seen else
-                    f"no SuperNode with partition-id={k} connected (waited up to connect-timeout={timeout:g} s "
-                    "from the start of the run)")
-                for k in clients if k not in self.of}
-
-
 def client_round(metrics: dict) -> ClientRound:
     """A checked training reply's metrics as the client's round, for the metrics lines (its update
     goes to the server's sums, not here)."""
@@ -178,11 +106,12 @@ class MethodStrategy(Strategy):
         self.nodes = Nodes(names if names is not None else wire.client_names(cfg), query_timeout)
         self.min_clients = min_clients
         # a client that has never had a SuperNode is waited for until connect-timeout after the first `connect`
-        self.connect_timeout, self.connect_deadline = connect_timeout, None
-        self.expected = validate.expected_message(server.method, server.global_params)  # what an update must look like
-        self.max_update_norm = max_update_norm  # 0: no bound
-        self.max_update_ratio = max_update_ratio  # x the global model's norm; 0: no bound
-        self.max_size_ratio = max_size_ratio  # a declared n_train / n_test x the round's median; 0: no bound
+        self.connect_timeout = connect_timeout
+        # what a reply must look like and the bounds it is held to: max_update_norm (0: no bound),
+        # max_update_ratio (x the global model's norm), max_size_ratio (a declared n_train / n_test x
+        # the round's median; 0: no bound)
+        self.checks = checks.ReplyChecks(validate.expected_message(server.method, server.global_params),
+                                         cfg.local_steps, cfg.lr, max_update_norm, max_update_ratio, max_size_ratio)
         self.rounds_done: dict[int, int] = {}  # client → rounds it finished (saved in the checkpoint)
         self.noise_std: dict[int, float] = {}  # round → the DP noise's standard deviation (saved too)
         self.n_train: dict[int, int] = {}  # client → |D_k|, as the clients report it (saved in the checkpoint)
@@ -243,11 +172,7 @@ class MethodStrategy(Strategy):
         `need` that have never had a SuperNode, until connect-timeout after the first call
         (the start of the run): a Flower run waits for the clients a round samples, not for
         all N. Returns the clients of `need` without a SuperNode → why (they count as missing)."""
-        if self.connect_deadline is None:
-            self.connect_deadline = time.monotonic() + self.connect_timeout
-        need = list(need)
-        self.nodes.connect(grid, need, self.connect_deadline)
-        return self.nodes.unreached(need, self.connect_timeout)
+        return self.nodes.wait(grid, need, self.connect_timeout)
 
     # ---- messages and their replies -------------------------------------------------
     def _messages(self, clients: Iterable[int], content_of, message_type: str, server_round: int) -> list[Message]:
@@ -257,22 +182,7 @@ class MethodStrategy(Strategy):
 
     def _match(self, replies: Iterable[Message]) -> tuple[dict[int, Message], dict[int, str]]:
         """Replies by client, and the clients without a good reply → why (with the unreached ones)."""
-        by_id = {msg.metadata.message_id: k for msg, k in self._pending}
-        got, missing = {}, dict(self._unreached)
-        for reply in replies:
-            k = by_id.get(reply.metadata.reply_to_message_id)
-            if k is None:
-                continue
-            if reply.has_error():
-                if "TrainingDiverged" in reply.error.reason:
-                    raise TrainingDiverged(f"{self.name(k)}: {reply.error.reason}")
-                missing[k] = reply.error.reason
-            else:
-                got[k] = reply
-        for _, k in self._pending:
-            if k not in got and k not in missing:
-                missing[k] = "no reply before the timeout"
-        return got, missing
+        return checks.match(self._pending, self._unreached, replies, self.name)
 
     def _config(self, k: int, **extra) -> ConfigRecord:
         # done: the client's rounds this server has accepted; the client starts from its state after them
@@ -307,14 +217,7 @@ class MethodStrategy(Strategy):
                 f"round {server_round}: {len(got)} of {sampled} clients replied, fewer than "
                 f"min-clients={self.min_clients or 'all'}; missing: "
                 + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(missing.items())))
-        accepted, rejected = {}, {}
-        for k in sorted(got):
-            try:
-                accepted[k] = self._accept(got[k].content, k)
-            except validate.InvalidUpdate as exc:  # untrusted input: left out, the round goes on
-                rejected[k] = str(exc)
-        # the declared sizes against each other, once every reply's own checks are done
-        rejected.update(validate.oversized({k: m["n_train"] for k, m in accepted.items()}, self.max_size_ratio))
+        accepted, rejected = self.checks.train_round(got, self.n_train, self._reference())
         for k in sorted(rejected):
             log.warning("round %d: rejected the update of %s from SuperNode %d: %s", server_round,
                         self.name(k), got[k].metadata.src_node_id, rejected[k])
@@ -375,26 +278,19 @@ class MethodStrategy(Strategy):
             raise RoundFailed(f"round {server_round}: secure aggregation over {len(got)} of {len(chosen)} "
                               f"clients (min-clients={self.min_clients or 'all'}) did not finish; missing: "
                               + "; ".join(f"{self.name(k)}: {why}" for k, why in sorted(missing.items())))
-        results = {}
-        too_large = validate.oversized({k: res.num_examples for k, res in got.items()}, self.max_size_ratio)
-        for k in sorted(got):
-            m = {key: json.loads(v) if key == "losses" else v for key, v in got[k].metrics.items()}
-            n = got[k].num_examples
-            reason = validate.validate_train_metrics({**m, "n_train": n}, self.cfg.local_steps, self.n_train.get(k))
-            if not reason and n > self.privacy.max_weight:
-                reason = f"n_train {n} exceeds secagg-max-weight={self.privacy.max_weight:g}"
-            reason = reason or too_large.get(k)
-            if reason:  # its upload is already in the sum: the round cannot go on without it
-                raise RoundFailed(f"round {server_round}: {self.name(k)} sent malformed metrics under SecAgg+ "
-                                  f"(its upload cannot be left out of the sum): {reason}")
-            self.n_train[k] = n
-            results[k] = client_round(m)
+        metrics, bad = self.checks.secagg_metrics(got, self.n_train, self.privacy.max_weight)
+        if bad:  # its upload is already in the sum: the round cannot go on without it
+            k = min(bad)
+            raise RoundFailed(f"round {server_round}: {self.name(k)} sent malformed metrics under SecAgg+ "
+                              f"(its upload cannot be left out of the sum): {bad[k]}")
+        self.n_train.update({k: got[k].num_examples for k in metrics})
+        results = {k: client_round(m) for k, m in metrics.items()}
         ids = list(results)
         try:
-            average = priv.unflatten(mean, self.expected)
+            average = priv.unflatten(mean, self.checks.expected)
         except UserError as exc:
             raise RoundFailed(f"round {server_round}: {exc}") from None
-        reason = validate.validate_update(average, self.expected)
+        reason = validate.validate_update(average, self.checks.expected)
         if reason:
             raise RoundFailed(f"round {server_round}: the secure aggregate is unusable: {reason}")
         average = {g: {n: t.to(self.dtype) for n, t in ts.items()} for g, ts in average.items()}
@@ -421,28 +317,17 @@ class MethodStrategy(Strategy):
         losses = [loss for res in outcome.record.results for loss in res.losses]
         return wire.to_record(outcome.record.global_params), MetricRecord({"mean_loss": sum(losses) / len(losses)})
 
+    def _reference(self) -> dict[str, Params]:
+        """w^r for each of the method's weight groups: what an update's ratio bound is measured against."""
+        return {g: self.server.global_params for g in self.method.weight_groups}
+
     def _accept(self, content: RecordDict, k: int | None = None) -> dict:
-        """A training reply's metrics, once the reply passes `validate`; else
-        `validate.InvalidUpdate` saying why. Its decoded update is dropped (`_decode` decodes it
-        again when it is aggregated: the round never holds every decoded update at once)."""
-        try:
-            update = wire.unpack(content, wire.MESSAGE, dtype=None)
-            metrics = dict(content.metric_records["metrics"])
-        except Exception as exc:  # whatever a malformed record raises while it is decoded
-            raise validate.InvalidUpdate(f"cannot decode the reply ({type(exc).__name__}: {exc})") from None
-        reason = (validate.validate_records(content.array_records, self.expected, wire.MESSAGE)
-                  or validate.validate_train_metrics(metrics, self.cfg.local_steps, self.n_train.get(k))
-                  or validate.validate_update(update, self.expected, self.max_update_norm,
-                                              {g: self.server.global_params for g in self.method.weight_groups},
-                                              self.max_update_ratio, self.cfg.lr * self.cfg.local_steps))
-        if reason:
-            raise validate.InvalidUpdate(reason)
-        return metrics
+        """A training reply's metrics once it passes the checks (`ReplyChecks.train_reply`)."""
+        return self.checks.train_reply(content, self.n_train.get(k), self._reference())
 
     def _decode(self, content: RecordDict) -> dict[str, Params]:
         """An accepted reply's update (`_accept`), cast to the adapter's dtype."""
-        return {g: {n: t.to(self.dtype) for n, t in ts.items()}
-                for g, ts in wire.unpack(content, wire.MESSAGE, dtype=None).items()}
+        return checks.decode(content, self.dtype)
 
     # ---- evaluation -----------------------------------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -457,27 +342,8 @@ class MethodStrategy(Strategy):
 
     def collect_evaluate(self, server_round: int, replies: Iterable[Message]) -> EvalOutcome:
         got, missing = self._match(replies)
-        scores = {}
-        for k in sorted(got):
-            try:
-                reply = {**dict(got[k].content.metric_records["metrics"]),
-                         "task": got[k].content.config_records["info"]["task"]}
-            except Exception as exc:  # a malformed reply: that client is left out
-                reply = {"error": f"cannot decode the reply ({type(exc).__name__}: {exc})"}
-            reason = reply.get("error") or validate.validate_eval_metrics(reply)
-            if not reason and reply["n_train"] > self.n_train.get(k, reply["n_train"]):
-                reason = (f"metric 'n_train' is {reply['n_train']}, more than the {self.n_train[k]} the client "
-                          "declared in training")
-            if reason:
-                missing[k] = f"evaluation rejected: {reason} (SuperNode {got[k].metadata.src_node_id})"
-            else:
-                scores[k] = reply
-        # the counts against each other (results.json's weighted means use n_train)
-        for what in ("n_train", "n_test"):
-            for k, why in validate.oversized({k: s[what] for k, s in scores.items()}, self.max_size_ratio,
-                                             what).items():
-                missing[k] = f"evaluation rejected: {why} (SuperNode {got[k].metadata.src_node_id})"
-                del scores[k]
+        scores, rejected = self.checks.eval_replies(got, self.n_train)
+        missing.update(rejected)
         for k in sorted(missing):
             log.warning("evaluation: %s is missing: %s", self.name(k), missing[k])
         return EvalOutcome(scores, missing)
