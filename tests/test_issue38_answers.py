@@ -181,10 +181,103 @@ def test_question_4s_answer_is_the_whole_test_splits_curve(answers, tmp_path):
     assert "Not Table 1's" not in out
 
 
-def test_the_committed_answers_are_the_scripts_output(answers):
+@pytest.fixture(scope="module")
+def committed(answers):
+    """The committed runs as answers.py reads them (t1, runs, made, again, remade, full), and the short runs."""
+    return answers.collected(*answers.ROOTS), answers.short_runs()
+
+
+def test_the_committed_answers_are_the_scripts_output(answers, committed):
     """answers.md is regenerated from the committed runs: an edit by hand, or runs committed without
     rerunning the script, fails here."""
-    assert (HERE / "answers.md").read_text() == answers.answers()
+    assert (HERE / "answers.md").read_text() == answers.answers_text(*committed[0])
+
+
+def readme_answer(answers, committed, runs=None) -> list[str]:
+    t1, analysis, made, _, remade, full = committed[0]
+    return answers.answer_lines(t1, runs or analysis, made, remade, full, committed[1])
+
+
+def test_the_readmes_answer_is_the_scripts_output_from_the_committed_runs(answers, committed):
+    """Issue 56: README.md opens with an answer of at most 40 lines whose every number answers.py computes
+    from the committed runs; a number edited by hand, or runs committed without rerunning the script,
+    fails here."""
+    readme = (HERE / "README.md").read_text()
+    lines = readme_answer(answers, committed)
+    assert readme.index("## The answer") < readme.index(answers.ANSWER_BEGIN) < 200  # it opens the README
+    assert answers.with_answer(readme, lines) == readme
+    assert len(lines) <= 40
+
+
+def test_the_readmes_answer_says_what_an_independent_reading_of_the_runs_found(answers, committed):
+    """The figures issue 56 quotes from its own reading of the committed runs, found by the script."""
+    text = " ".join(" ".join(readme_answer(answers, committed)).split())  # the wrapped lines as one
+    for figure in ["+2.00 ± 0.89, higher on every seed", "structure_to_text −3.26 ± 1.40", "coreference +0.78",
+                   "entailment +6.33", "paraphrase −8.67", "lr 0.0037", "−1.20 ± 1.23 at 0.09×",
+                   "−0.40 ± 1.11 at 0.61×", "+0.79 ± 1.70 at 0.61×", "FedAvg at 0.006 took 1.6× pFLAlign's step",
+                   "131 of the 200 paraphrase references are 'no'", "scores 65.50", "p = 0.050",
+                   "lower on 3 of 3 seeds", "at 7 of 10 rounds", "56 test examples", "at round 45",
+                   "the ranking changes for 2 of 6 settings", "as close as 0.03 points", "undecided"]:
+        assert figure in text, figure
+
+
+def test_the_readmes_answer_moves_with_the_runs(answers, committed):
+    """A changed run changes the answer, so the README check above fails on it: pFLAlign at lr 0.33
+    scoring 3 points more on seed 0 lifts its paired gain by 1.00 on the mean."""
+    import dataclasses
+
+    runs = dict(committed[0][1])
+    seed0 = runs["pflalign@lr=0.33"][0]
+    results = {**seed0.results, "avg_rouge_l_personalized": seed0.results["avg_rouge_l_personalized"] + 3}
+    runs["pflalign@lr=0.33"] = {**runs["pflalign@lr=0.33"], 0: dataclasses.replace(seed0, results=results)}
+    text = " ".join(" ".join(readme_answer(answers, committed, runs)).split())
+    assert "lr 0.33 instead of 0.04: +3.00 ±" in text and "+2.00 ± 0.89" not in text
+    readme = (HERE / "README.md").read_text()
+    assert answers.with_answer(readme, readme_answer(answers, committed, runs)) != readme
+
+
+def test_per_client_differences_are_paired_by_seed_per_task(answers, tmp_path):
+    put(tmp_path / "a", "pflalign", [48.0, 47.0, 49.0])
+    put(tmp_path / "a", "fedavg", [49.0, 49.5, 48.0])
+    runs = answers.by_name(answers.find_runs(tmp_path / "a")[0])
+    d = answers.per_client(runs["pflalign"], runs["fedavg"])["t"]
+    assert d.seeds == [0, 1, 2] and d.diffs == [-1.0, -2.5, 1.0]
+
+
+def test_the_majority_label_and_its_score(answers, tmp_path):
+    """Three of four references 'no': answering 'no' to all scores 75; the model's top answer and its share."""
+    put(tmp_path / "a", "fedavg", [50.0])
+    d = tmp_path / "a" / "flan" / "fedavg" / "seed0"
+    rows = [("no", "No"), ("no", "no"), ("no", "yes"), ("yes", "no")]
+    (d / "predictions.jsonl").write_text("".join(json.dumps(
+        {"client": 0, "task": "t", "reference": ref, "personalized": out}) + "\n" for ref, out in rows))
+    run = answers.by_name(answers.find_runs(tmp_path / "a")[0])["fedavg"]
+    assert answers.majority(run[0], "t") == ("no", 3, 4, pytest.approx(75.0))
+    assert answers.top_answers(run, "t") == [("no", 0.75)]
+
+
+def test_p_is_the_paired_t_tests(answers):
+    from scipy import stats
+
+    d = answers.Difference("a", "b", [0, 1, 2], [1.62, 2.06, 3.45])
+    assert answers.p_two_sided(d) == pytest.approx(stats.ttest_1samp(d.diffs, 0).pvalue)
+
+
+def test_the_p_cap_is_the_methods(answers):
+    """As tests/test_pflalign.py measures it with a 3-element gradient."""
+    assert [round(answers.p_cap(b), 4) for b in (0.5, 0.8, 0.9)] == [0.8543, 0.2874, 0.0895]
+
+
+def test_a_rank_move_and_how_close_it_passes_a_row(answers):
+    moved = answers.Ranking("x", [0, 1, 2], 50.03, 50.34, [50.31, 50.36, 49.0], "", None)
+    assert moved.ranks == (3, 2) and answers.crossing_margin(moved) == pytest.approx(0.03)
+    still = answers.Ranking("y", [0, 1, 2], 47.31, 47.44, [50.31, 49.0], "", None)
+    assert still.ranks == (3, 3) and answers.crossing_margin(still) is None
+
+
+def test_the_answer_replaces_only_its_block(answers):
+    readme = f"# T\n\n{answers.ANSWER_BEGIN}\nold\n{answers.ANSWER_END}\n\nrest\n"
+    assert answers.with_answer(readme, ["a", "b"]) == f"# T\n\n{answers.ANSWER_BEGIN}\na\nb\n{answers.ANSWER_END}\n\nrest\n"
 
 
 def test_long_run_advice_is_the_best_complete_setting(answers, tmp_path):
