@@ -21,6 +21,10 @@ Sections, each wrapped so that one failing records its error in the JSON and the
   and its share of the measured peak, one profiled step's top kernels (LLaMA); greedy
   generation tokens/s at the evaluation's batch (64 rows, 128 new tokens,
   `pflalign.evaluate.greedy_ids` on the merged adapter, as the final evaluation runs).
+* ``hf_anchor``: the loop a user would write (issue 55): the same bases through PEFT's LoRA
+  (r16 alpha32, all linear layers, float32 adapters) and ``torch.optim.SGD``, plain bf16 and under
+  ``torch.autocast(bfloat16)`` as the HF Trainer's ``bf16=True``, at LLaMA 4 x 1024 and 4 x 256,
+  OPT and SmolLM2 4 x 1024: tokens/s, and ``pflalign_over_best_hf`` against the ``speed`` rows.
 * ``bill``: the projected device time of one FLAN and one Dolly run at the paper's protocol and
   of each 33-run Table 1, from those figures (`bill`).
 
@@ -298,10 +302,18 @@ def correctness(device: str, methods: list[str]) -> dict:
 def build_arch(name: str, device: str, tiny: bool):
     """(FederatedLM with LoRA r16 alpha32 on every linear layer, its transformers config) for an
     architecture of ARCHS, random weights, bf16 base, built on the device directly."""
-    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
-
     from pflalign.config import LoraSettings
     from pflalign.model import FederatedLM
+
+    base, config = build_base(name, device, tiny)
+    lm = FederatedLM.from_base(base, None, LoraSettings(r=16, alpha=32), seed=0, device=device)
+    return lm, config
+
+
+def build_base(name: str, device: str, tiny: bool):
+    """(transformers model, its config) for an architecture of ARCHS: random weights (seed 0, so
+    every call gives the same model), bf16, built on the device directly."""
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
     spec = dict(ARCHS[name])
     family = spec.pop("family")
@@ -325,8 +337,7 @@ def build_arch(name: str, device: str, tiny: bool):
             base = cls(config)
     finally:
         torch.set_default_dtype(default)
-    lm = FederatedLM.from_base(base, None, LoraSettings(r=16, alpha=32), seed=0, device=device)
-    return lm, config
+    return base, config
 
 
 def count_params(lm) -> dict:
@@ -383,12 +394,13 @@ def time_training(lm, config, device: str, batch: int, seq: int, warmup: int, st
             for n, p in lm.lora.items():
                 p.sub_(grads[n], alpha=1e-4)
         sync(device)
+        first = loss if i == 0 else first
         if i >= warmup:
             times.append(time.perf_counter() - t)
             losses.append(loss)
     step = sum(times) / len(times)
     out = {"batch": batch, "seq": seq, "timed_steps": steps, "step_seconds": step,
-           "step_seconds_min": min(times), "tokens_per_s": batch * seq / step,
+           "step_seconds_min": min(times), "tokens_per_s": batch * seq / step, "first_loss": first,
            "losses_finite": all(math.isfinite(x) for x in losses)}
     if device.startswith("cuda"):
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
@@ -414,6 +426,92 @@ def profile_step(lm, config, device: str, batch: int, seq: int, top: int = 15) -
     return {"by": key, "total_ms": total / 1e3,
             "top": [{"name": e.key[:120], "ms": (getattr(e, key, 0) or 0) / 1e3, "calls": e.count,
                      "share": (getattr(e, key, 0) or 0) / total} for e in events[:top]]}
+
+
+def build_hf_peft(name: str, device: str, tiny: bool):
+    """The loop a user would write in ten lines (issue 55's anchor): the same bf16 base as
+    `build_arch` (same seed, same weights) with PEFT's LoRA r16 alpha32 on every linear layer
+    (``target_modules="all-linear"``: the decoder's, not the head) and its float32 adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    base, config = build_base(name, device, tiny)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    return get_peft_model(base, lora), config
+
+
+def time_hf_training(model, config, device: str, batch: int, seq: int, warmup: int, steps: int,
+                     autocast: bool) -> dict:
+    """The user's step: ``model(**batch).loss.backward()`` and ``torch.optim.SGD``; `autocast`: under
+    torch.autocast(bfloat16), as the HF Trainer's ``bf16=True`` runs it. Same batch as `time_training`."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, config.vocab_size, (batch, seq), generator=gen).to(device)
+    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(warmup + steps):
+        sync(device)
+        t = time.perf_counter()
+        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**data).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        losses.append(loss.item())
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    step = sum(times) / len(times)
+    out = {"batch": batch, "seq": seq, "timed_steps": steps, "step_seconds": step,
+           "step_seconds_min": min(times), "tokens_per_s": batch * seq / step, "first_loss": losses[0],
+           "losses_finite": all(math.isfinite(x) for x in losses)}
+    if device.startswith("cuda"):
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    return out
+
+
+# the shapes issue 55 measured the anchor at: (architecture, batch, tokens)
+HF_SHAPES = [("llama-3.2-1b", BATCH, SEQ), ("llama-3.2-1b", BATCH, SHORT_SEQ), ("opt-1.3b", BATCH, SEQ),
+             ("smollm2-135m", BATCH, SEQ)]
+
+
+def hf_anchor(device: str, tiny: bool, speed_rows: dict) -> dict:
+    """The HF + PEFT loop (plain bf16 and under autocast) beside pflalign's step at the same shape
+    (the ``speed`` section's rows), as ``pflalign_over_best_hf``: issue 55's target is >= 1.0 at
+    4 x 1024 and >= 1.2 at 4 x 256. ``first_loss_rel_diff``: the two loops' first losses on the same
+    weights and batch (LoRA's B starts at 0 in both, so they start from the same function)."""
+    warmup, steps = (1, 2) if tiny else (2, 5)
+    out = {}
+    for name, batch, seq in HF_SHAPES:
+        if tiny:
+            batch, seq = 2, (64 if seq == SEQ else 32)
+        key = f"{name} {batch}x{seq}"
+        log(f"hf_anchor {key}")
+        if out_of_time():
+            out[key] = {"error": "skipped: --budget-s spent"}
+            continue
+        try:
+            model, config = build_hf_peft(name, device, tiny)
+            row = {mode: time_hf_training(model, config, device, batch, seq, warmup, steps, autocast=mode == "autocast")
+                   for mode in ("plain", "autocast")}
+            del model
+            ours = speed_rows.get(name, {}).get("train" if seq == (64 if tiny else SEQ) else "train_short", {})
+            if "tokens_per_s" in ours:
+                best = max(row["plain"]["tokens_per_s"], row["autocast"]["tokens_per_s"])
+                row["pflalign_tokens_per_s"] = ours["tokens_per_s"]
+                row["pflalign_over_best_hf"] = ours["tokens_per_s"] / best
+                if ours.get("first_loss") is not None:
+                    row["first_loss_rel_diff"] = abs(ours["first_loss"] - row["plain"]["first_loss"]) / abs(
+                        row["plain"]["first_loss"])
+        except Exception as exc:  # noqa: BLE001  (the next shape still runs)
+            row = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        out[key] = row
+        log(f"  -> {json.dumps({k: v for k, v in row.items() if k != 'traceback'})}")
+    return out
 
 
 def time_generation(lm, config, device: str, rows: int, prompt_len: int, new_tokens: int) -> dict:
@@ -538,7 +636,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (tiny shapes, the test)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu.json"))
-    parser.add_argument("--sections", default="matmul_peak,correctness,speed,bill")
+    parser.add_argument("--sections", default="matmul_peak,correctness,speed,hf_anchor,bill")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--write-reference", action="store_true",
                         help="on CPU: write benchmarks/results/gpu_reference.* from the pinned runs")
@@ -575,6 +673,8 @@ def main(argv=None) -> int:
         section(report, "correctness", correctness, device, methods)
     if "speed" in sections:
         section(report, "speed", speed, device, tiny, report.get("matmul_peak"))
+    if "hf_anchor" in sections:
+        section(report, "hf_anchor", hf_anchor, device, tiny, report.get("speed", {}))
     if "bill" in sections:
         section(report, "bill", bill, report.get("speed", {}))
     report["total_seconds"] = round(time.time() - start, 1)

@@ -75,6 +75,15 @@ def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
         assert row["generate"]["tokens_per_s"] > 0 and row["generate"]["rows"] == 4
     assert report["speed"]["llama-3.2-1b"]["train_profile"]["top"][0]["ms"] > 0
     assert report["bill"]["llama-3.2-1b"]["table1_flan_hours"] > 0
+    # the HF + PEFT anchor: each shape timed both ways, set beside pflalign's step on the same
+    # weights and batch (B = 0 at the start in both: the same function, so the same first loss)
+    anchor = report["hf_anchor"]
+    assert len(anchor) == len(gpu.HF_SHAPES)
+    for key, row in anchor.items():
+        assert "error" not in row, (key, row)
+        assert row["plain"]["tokens_per_s"] > 0 and row["autocast"]["losses_finite"]
+        assert row["pflalign_over_best_hf"] > 0
+        assert row["first_loss_rel_diff"] < 2e-2, (key, row)
 
 
 def test_the_eval_batch_benchmark_runs_on_cpu(tmp_path):
