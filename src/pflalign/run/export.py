@@ -28,8 +28,10 @@ random test model saved once under ``$PFLALIGN_CACHE/base/``. Each folder's
 ``README.md`` (a model card, as PEFT's ``save_pretrained`` writes) says which base,
 and the method, data, rounds and the client's scores.
 
-Every file is written readable by all (0644; folders 0755), the merged
-``model.safetensors`` too (transformers writes it 0600).
+Every file and folder gets the mode a plain write gives under the user's umask
+(`checkpoint.umask_mode`: 0644 and 0755 under 022, 0600 and 0700 under 077), the
+merged ``model.safetensors`` too (transformers writes it 0600): never readable by
+more users than the umask allows.
 """
 
 from __future__ import annotations
@@ -139,9 +141,11 @@ def _versions_digest(spec: str) -> str:
 
 
 def readable(folder: Path) -> None:
-    """Every file under `folder` 0644 and every folder 0755 (safetensors and tempfile make 0600/0700)."""
-    for path in [Path(folder), *Path(folder).rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    """Every file and folder under `folder` as the user's umask says (`checkpoint.follow_umask`;
+    safetensors, transformers and tempfile make 0600/0700 whatever it is)."""
+    from .. import checkpoint as ckpt
+
+    ckpt.follow_umask(folder)
 
 
 # ---- one adapter folder ---------------------------------------------------------
