@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -414,6 +415,28 @@ def test_generate_on_an_exported_folder(tmp_path_factory, tmp_path, capsys):
     assert main(["generate", str(tmp_path / "exp" / "sorting"), "--global", "hi"]) == 2
     assert "no global model" in capsys.readouterr().err
     assert main(["generate", str(tmp_path / "nothing"), "--global", "hi"]) == 2
+
+
+def test_generate_on_a_damaged_export_is_one_line_naming_the_file(tmp_path_factory, tmp_path, capsys):
+    """Issue 57: a truncated ``adapter_model.safetensors`` (or a damaged adapter_config.json) is
+    one line naming it and exit 2, not safetensors' traceback (`export.read_adapter`, the loader
+    `generate` and `export --merged` share)."""
+    from pflalign.cli import main
+
+    out = _finished("pflalign", tmp_path_factory)
+    assert main(["export", str(out), "--out", str(tmp_path / "exp"), "--global"]) == 0
+    weights = tmp_path / "exp" / "global" / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    for damage, name in [(data[:len(data) // 2], weights), (b"", weights), (b"not json", weights.with_name("adapter_config.json"))]:
+        broken = tmp_path / "broken"
+        shutil.rmtree(broken, ignore_errors=True)
+        shutil.copytree(tmp_path / "exp", broken)
+        (broken / "global" / name.name).write_bytes(damage)
+        capsys.readouterr()
+        assert main(["generate", str(broken), "--global", "--max-new-tokens", "2", "hi"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(broken / "global" / name.name) in err and "damaged" in err, err
+        assert "Traceback" not in err
 
 
 def test_base_and_card_for_a_hub_id_a_folder_and_an_unscored_client(tmp_path):
