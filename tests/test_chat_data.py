@@ -138,6 +138,9 @@ def read_example(row):
     ("hello", "column 'messages' must be a list of {role, content} turns"),
     ([turn("system", "s"), turn("assistant", "a")], "empty instruction"),
     ([turn("user", "q"), turn("assistant", "")], "empty response"),
+    # issue 57: a turn's content that is not text is refused, not trained on as "42"
+    ([turn("user", "q"), turn("assistant", 42)], r"field 'messages\[2\]\.content' must be a string, got int"),
+    ([turn("user", True), turn("assistant", "a")], r"field 'messages\[1\]\.content' must be a string, got bool"),
 ])
 def test_bad_conversations_are_one_line(tmp_path, messages, match):
     path = write_jsonl(tmp_path / "bad.jsonl", [CONVERSATIONS[1], {"messages": messages, "topic": "x"}])

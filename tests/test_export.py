@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -375,6 +376,30 @@ def test_every_adapter_folder_has_a_model_card_and_readable_files(tmp_path_facto
     assert "AutoModelForCausalLM" in (tmp_path / "m" / "arithmetic" / "README.md").read_text()
 
 
+@pytest.mark.parametrize("umask", [0o077, 0o022])
+def test_a_run_and_its_export_follow_the_umask(tmp_path, umask):
+    """Issue 57: what a run and an export write gets the mode a plain write gets under the
+    user's umask: under 077 nobody else can read adapters trained on private data (they were
+    forced to 0644 before), under 022 every file is 0644 and every folder 0755."""
+    from pflalign.cli import main
+
+    old = os.umask(umask)
+    try:
+        out = tmp_path / "run"
+        run(build_config(None, {**json.loads(json.dumps(TINY)), "method": "fedavg", "rounds": 1}), out, progress=False)
+        assert main(["export", str(out), "--out", str(tmp_path / "exp"), "--client", "sorting", "--merged"]) == 0
+        assert main(["export", str(out), "--out", str(tmp_path / "exp"), "--global"]) == 0
+    finally:
+        os.umask(old)
+    written = [p for p in [out, *out.rglob("*"), tmp_path / "exp", *(tmp_path / "exp").rglob("*")]]
+    assert any(p.name == "adapter_model.safetensors" for p in written)
+    assert any(p.name == "model.safetensors" for p in written)  # transformers writes it 0600 whatever the umask
+    assert any(p.name == "checkpoint.pt" for p in written)
+    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in written}
+    want = {p: (0o777 if (tmp_path / p).is_dir() else 0o666) & ~umask for p in modes}
+    assert modes == want, {p: oct(m) for p, m in modes.items() if m != want[p]}
+
+
 def test_generate_on_an_exported_folder(tmp_path_factory, tmp_path, capsys):
     from pflalign.cli import main
 
@@ -390,6 +415,28 @@ def test_generate_on_an_exported_folder(tmp_path_factory, tmp_path, capsys):
     assert main(["generate", str(tmp_path / "exp" / "sorting"), "--global", "hi"]) == 2
     assert "no global model" in capsys.readouterr().err
     assert main(["generate", str(tmp_path / "nothing"), "--global", "hi"]) == 2
+
+
+def test_generate_on_a_damaged_export_is_one_line_naming_the_file(tmp_path_factory, tmp_path, capsys):
+    """Issue 57: a truncated ``adapter_model.safetensors`` (or a damaged adapter_config.json) is
+    one line naming it and exit 2, not safetensors' traceback (`export.read_adapter`, the loader
+    `generate` and `export --merged` share)."""
+    from pflalign.cli import main
+
+    out = _finished("pflalign", tmp_path_factory)
+    assert main(["export", str(out), "--out", str(tmp_path / "exp"), "--global"]) == 0
+    weights = tmp_path / "exp" / "global" / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    for damage, name in [(data[:len(data) // 2], weights), (b"", weights), (b"not json", weights.with_name("adapter_config.json"))]:
+        broken = tmp_path / "broken"
+        shutil.rmtree(broken, ignore_errors=True)
+        shutil.copytree(tmp_path / "exp", broken)
+        (broken / "global" / name.name).write_bytes(damage)
+        capsys.readouterr()
+        assert main(["generate", str(broken), "--global", "--max-new-tokens", "2", "hi"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(broken / "global" / name.name) in err and "damaged" in err, err
+        assert "Traceback" not in err
 
 
 def test_base_and_card_for_a_hub_id_a_folder_and_an_unscored_client(tmp_path):

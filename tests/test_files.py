@@ -202,6 +202,35 @@ def test_bad_files_are_one_line_errors(tmp_path, content, kwargs, match):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("column", ["q", "ans", "ctx"])
+def test_a_text_field_that_is_not_text_is_refused_with_its_row_and_field(tmp_path, column):
+    """Issue 57: every text field is checked as Dolly's are (`dolly.check_text`): a JSON 42 or
+    true in the instruction, response or context column is refused, not trained on as "42"."""
+    rows = _rows(4)
+    rows[2][column] = 42 if column != "ctx" else True
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError, match=rf"d\.jsonl \(train\) row 3: field '{column}' must be a string, got "
+                                        rf"{'bool' if column == 'ctx' else 'int'}$") as info:
+        load_partitioned("files", str(path), None, 42, None, None, _opts(partition_by="who"))
+    assert "\n" not in str(info.value)
+
+
+def test_a_csv_cell_is_the_text_it_holds_and_a_label_may_be_a_number(tmp_path):
+    """CSV has no types (its reader guesses numbers): its cells are used as text (a number as its
+    reader parsed it: 1.50 is "1.5", as before). A label column (partition_by) may hold numbers
+    in any format: class ids are labels."""
+    path = tmp_path / "d.csv"
+    path.write_text("q,ans,ctx,who\nwhat is 6x7,42,,1\nprice,1.50,in euros,2\n")
+    table = read_table(str(path), Columns("q", "ans", "ctx"), "who")
+    assert [(e.prompt, e.response) for e in table.examples] == [("what is 6x7", "42"),
+                                                               ("price\n\nContext:\nin euros", "1.5")]
+    assert table.labels == ["1", "2"]
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text(json.dumps({"q": "x", "ans": "y", "who": 7}) + "\n")
+    assert read_table(str(jsonl), Columns("q", "ans"), "who").labels == ["7"]
+
+
 @pytest.mark.parametrize(("name", "content", "match"), [
     ("d.jsonl", '{"instruction": "x"\n', r"d\.jsonl: cannot read it as a dataset \(ArrowInvalid: JSON parse error: "
                                        r"Missing a comma .* in row 0\)$"),

@@ -210,3 +210,45 @@ def test_an_evaluation_reply_with_inflated_counts_is_left_out(tiny_llama, w0, mo
     monkeypatch.setattr(strategy, "_match", lambda _: ({0: reply(), 1: reply(n_train=10**9), 2: reply()}, {}))
     outcome = strategy.collect_evaluate(2, [])
     assert list(outcome.missing) == [1] and "median declared n_train" in outcome.missing[1]
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("max-size-ratio", -1, "run config max-size-ratio must be a number >= 1 (or 0: off), got -1"),
+    ("max-size-ratio", 0.5, "run config max-size-ratio must be a number >= 1 (or 0: off), got 0.5"),
+    ("max-size-ratio", "abc", "run config max-size-ratio must be a number >= 1 (or 0: off), got 'abc'"),
+    ("max-size-ratio", float("nan"), "run config max-size-ratio must be a number"),
+    ("max-update-ratio", -2.0, "run config max-update-ratio must be a number >= 0, got -2.0"),
+    ("min-clients", 1.5, "run config min-clients must be an integer >= 0, got 1.5"),
+    ("round-timeout", 0, "run config round-timeout must be a number > 0, got 0"),
+    ("resume", "yes", "run config resume must be true or false, got 'yes'"),
+    ("dp-delta", 2.0, "run config dp-delta must be < 1"),
+])
+def test_a_bad_run_config_value_is_refused_before_the_run_folder_is_touched(tmp_path, caplog, key, value, needle):
+    """Issue 57: every run-config value is checked where the privacy ones are, before the first
+    round and before `out` is made: max-size-ratio=-1 no longer turns the size bound off in
+    silence, 'abc' is not a ValueError deep in the ServerApp. (`flwr run` itself returns 0 once
+    the run has started: Flower's CLI has no hook to refuse a run config.)"""
+    from pflalign.errors import UserError
+    from pflalign.flower import server_app
+
+    out = tmp_path / "run"
+    context = SimpleNamespace(run_config={**wire.RUN_DEFAULTS, "out": str(out), key: value})
+    with caplog.at_level("ERROR", logger="flwr.pflalign"), pytest.raises(UserError) as info:
+        server_app.main(grid=None, context=context)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+    assert any(needle in r.message for r in caplog.records)  # the ServerApp's log says why, in one line
+    assert not out.exists()
+
+
+def test_max_size_ratio_0_is_off_and_says_so_at_the_start(tiny_llama, w0, caplog):
+    options = wire.run_options({"max-size-ratio": 0, "max-update-ratio": 10})
+    assert options["max-size-ratio"] == 0.0 and options["max-update-ratio"] == 10.0
+    assert wire.run_options({})["max-size-ratio"] == wire.RUN_DEFAULTS["max-size-ratio"]
+    strategy = _strategy(tiny_llama, w0)
+    strategy.max_size_ratio = 0.0
+    with caplog.at_level("INFO", logger="flwr.pflalign"):
+        strategy.summary()
+    said = [r.message for r in caplog.records]
+    assert any("replies checked: max-update-norm off, max-update-ratio 10, max-size-ratio off" in m for m in said), said
+    assert any(r.levelname == "WARNING" and "max-size-ratio=0: the bound on the sizes clients declare is off" in r.message
+               for r in caplog.records)

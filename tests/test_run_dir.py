@@ -157,3 +157,40 @@ def test_a_read_only_out_is_refused_before_loading(capsys, tmp_path, monkeypatch
 
     monkeypatch.setattr(engine, "Federation", lambda *a, **k: pytest.fail("loaded before refusing"))
     assert "is not writable" in _error(capsys, ["run", *TINY_SET, "--out", str(ro / "run")])
+
+
+def test_a_resume_under_a_changed_training_recipe_is_refused_unless_allowed(capsys, tmp_path):
+    """Issue 57: config.json edited under a stopped run (optimizer.name=adamw after SGD rounds)
+    is refused at --resume in one line naming the keys, the folder untouched; a change outside
+    the recipe (eval.*, device) resumes; --allow-recipe-change trains on and metrics.jsonl
+    records which round the new values start at."""
+    out = tmp_path / "run"
+    base = ["run", "--out", str(out), "--no-progress"]
+    assert main([*base, *TINY_SET, "--set", "method=fedavg", "--set", "rounds=3", "--stop-after-rounds", "1"]) == 0
+
+    def edit(**changes):
+        saved = json.loads((out / "config.json").read_text())
+        for key, value in changes.items():
+            *tables, last = key.split("__")
+            node = saved
+            for t in tables:
+                node = node.setdefault(t, {})
+            node[last] = value
+        (out / "config.json").write_text(json.dumps(saved))
+
+    edit(eval__batch_size=1, eval__max_new_tokens=3, device="auto")  # not the recipe: how it runs and scores
+    assert main([*base, "--resume", "--stop-after-rounds", "1"]) == 0
+    edit(optimizer__name="adamw", lr=0.001)
+    before = snapshot(out)
+    err = _error(capsys, [*base, "--resume"])
+    assert "is not the recipe the checkpoint's 2 rounds were trained with (lr 0.04 -> 0.001, optimizer.name " \
+           "'sgd' -> 'adamw')" in err and "--allow-recipe-change" in err, err
+    assert snapshot(out) == before
+    assert "goes with --resume" in _error(capsys, [*base, *TINY_SET, "--allow-recipe-change"])
+    assert main([*base, "--resume", "--allow-recipe-change"]) == 0
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    change = [r for r in lines if r["event"] == "recipe_change"]
+    assert change == [{"event": "recipe_change", "round": 2,
+                       "changed": {"lr": [0.04, 0.001], "optimizer.name": ["sgd", "adamw"]}}]
+    assert [r["round"] for r in lines if r["event"] == "round"] == [0, 1, 2]
+    assert lines.index(change[0]) == max(i for i, r in enumerate(lines) if r.get("round") == 1) + 1

@@ -54,6 +54,35 @@ def _no_room(exc: OSError, path: Path) -> DiskFull:
     return DiskFull(f"cannot write {path}: {exc.strerror or exc}")
 
 
+# ---- file modes ------------------------------------------------------------------------
+def umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (/proc/self/status;
+    changing it, even for a moment, would race with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def umask_mode(is_dir: bool = False) -> int:
+    """The mode `open()` and `mkdir()` give a new file or folder under the user's umask (0644 and
+    0755 under the usual 022; 0600 and 0700 under 077). Files made by `mkstemp`/`mkdtemp` (0600,
+    0700) or by writers that pick their own mode get this one: never wider than the user allows
+    (adapters trained on private data stay private), never narrower than a plain write."""
+    return (0o777 if is_dir else 0o666) & ~umask()
+
+
+def follow_umask(folder: Path) -> None:
+    """`folder` and everything under it to `umask_mode`."""
+    for path in [Path(folder), *Path(folder).rglob("*")]:
+        os.chmod(path, umask_mode(path.is_dir()))
+
+
 def _atomic_write(path: Path, write, before_rename=None) -> None:
     """`write(f)` to a temporary file beside `path`, fsync, rename it to `path`;
     `before_rename(tmp)` runs once the bytes are on disk, before they get the name.
@@ -70,7 +99,7 @@ def _atomic_write_unchecked(path: Path, write, before_rename=None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600; results are meant to be shared
+        os.fchmod(fd, umask_mode())  # mkstemp makes 0600: as a plain write would, under the user's umask
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -52,6 +52,8 @@ def cmd_run(args) -> int:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     if args.resume and (args.set or args.data_dir or args.method):
         raise UserError("--resume continues with the run's saved config; drop --set/--data-dir/--method")
+    if args.allow_recipe_change and not args.resume:
+        raise UserError("--allow-recipe-change goes with --resume (a run's config.json edited since its checkpoint)")
     cfg = None if args.resume else build_config(args.config, overrides)
     # the engine (torch, transformers: seconds, more under load) only once the config is checked
     from .run.engine import run
@@ -59,7 +61,8 @@ def cmd_run(args) -> int:
     if args.no_progress:
         quiet_library_bars()
     results = run(cfg, Path(args.out), resume=args.resume, overwrite=args.overwrite,
-                  stop_after=args.stop_after_rounds, progress=not args.no_progress, workers=args.workers)
+                  stop_after=args.stop_after_rounds, progress=not args.no_progress, workers=args.workers,
+                  allow_recipe_change=args.allow_recipe_change)
     if results is None:
         print(f"stopped after the requested rounds; continue with: pflalign run --out {args.out} --resume")
         return 0
@@ -169,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", required=True, help="run directory")
     run.add_argument("--resume", action="store_true", help="continue an unfinished run in --out")
     run.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    run.add_argument("--allow-recipe-change", action="store_true",
+                     help="with --resume: train the rounds left with the training settings config.json now has, "
+                          "though its checkpoint's rounds had others (refused without it; metrics.jsonl records it)")
     run.add_argument("--stop-after-rounds", type=int, metavar="N", help="stop (checkpointed) after N more rounds")
     run.add_argument("--no-progress", action="store_true", help="no progress bars (log lines instead)")
     run.add_argument("--workers", type=int, default=1, metavar="N", help=WORKERS_HELP)

@@ -81,14 +81,11 @@ def exported_adapters(path: Path):
 def load_generator(run_dir: Path, client: str | None):
     """(model with the adapter merged in, tokenizer, run config) for `client` (None: global) of a
     finished run, an exported folder or one adapter folder (`exported_adapters`)."""
-    import warnings
-
     import torch
-    from peft import PeftModel
 
     from . import checkpoint as ckpt
     from .config import build_config
-    from .run.export import GLOBAL
+    from .run.export import GLOBAL, merge_adapter
     from .model import load_base_model
 
     run_dir = Path(run_dir)
@@ -112,10 +109,7 @@ def load_generator(run_dir: Path, client: str | None):
         raise UserError(f"no {'global model' if name == GLOBAL else f'client {client!r}'} in {run_dir}; "
                         f"clients: {known}" + (" (or --global)" if GLOBAL in folders else ""))
     base, tokenizer = load_base_model(cfg.model, getattr(torch, cfg.dtype))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = PeftModel.from_pretrained(base, str(folders[name])).merge_and_unload()
-    return model.eval(), tokenizer, cfg
+    return merge_adapter(base, folders[name]).eval(), tokenizer, cfg
 
 
 def generate_stream(model, tokenizer, cfg, prompt: str, max_new_tokens: int, out=None,

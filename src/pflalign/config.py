@@ -88,6 +88,29 @@ def method_args(cfg: RunConfig):
         raise UserError(f"method {cfg.method}: {exc}") from exc
 
 
+# What a run's training does not depend on: where the data is read from, where and how fast it
+# runs, what is scored and logged. Everything else in a config is its training recipe (`recipe`).
+NOT_RECIPE = ("data.dir", "data.max_test", "device", "eval.", "log.")
+
+
+def recipe(cfg: RunConfig) -> dict:
+    """The training recipe of `cfg`, one dotted key per value: the method and its arguments
+    (defaults filled in; those that only pick what is evaluated left out), the model, dtype,
+    LoRA, optimizer and schedule, lr, batch, steps, rounds, seed, participation, max_seq_len, and
+    the data with its partition; every key but `NOT_RECIPE`'s. A checkpoint stores it, so that
+    ``--resume`` can tell when config.json was changed under a run (`lifecycle.Recorder.config`)."""
+    import dataclasses
+
+    from .methods import method_class
+    from .settings import flat
+
+    whole = dataclasses.asdict(cfg)
+    evaluation = method_class(cfg.method).evaluation_args
+    whole["method_args"] = {k: v for k, v in dataclasses.asdict(method_args(cfg)).items() if k not in evaluation}
+    return {k: v for k, v in flat(whole, empty_tables=False).items()
+            if not any(k == n or (n.endswith(".") and k.startswith(n)) for n in NOT_RECIPE)}
+
+
 def make_method(cfg: RunConfig):
     """The run's method, with its checked arguments: the one constructor every engine uses."""
     from .methods import method_class

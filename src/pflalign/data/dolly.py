@@ -98,9 +98,7 @@ def _dolly_prompt(record: Mapping[str, Any], where: str) -> str:
     context = record.get("context")
     if context is None:
         context = ""
-    if not isinstance(context, str):
-        raise UserError(f"{where}: field 'context' must be a string, got {type(context).__name__}")
-    context = context.strip()
+    context = check_text(context, "context", where).strip()
     return f"{instruction}\n\nContext:\n{context}" if context else instruction
 
 
@@ -210,14 +208,20 @@ def read_jsonl(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
             yield where, record
 
 
-def get_text_field(record: Mapping[str, Any], field: str, where: str) -> str:
-    """`record[field]`, which must be present and a string; else a `UserError` naming it."""
-    if field not in record:
-        raise UserError(f"{where}: record has no field {field!r}")
-    value = record[field]
+def check_text(value: Any, field: str, where: str) -> str:
+    """`value` of the text field `field` of the row `where`, which must be a string: every
+    loader's text (Dolly's and FLAN's fields, your files' instruction, response and context
+    columns, a chat turn's content) is checked here, so a number is never trained on as text."""
     if not isinstance(value, str):
         raise UserError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
     return value
+
+
+def get_text_field(record: Mapping[str, Any], field: str, where: str) -> str:
+    """`record[field]`, which must be present and a string (`check_text`); else a `UserError` naming it."""
+    if field not in record:
+        raise UserError(f"{where}: record has no field {field!r}")
+    return check_text(record[field], field, where)
 
 
 def unknown_category_error(dataset: str, category: str, valid: Iterable[str]) -> UserError:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from pflalign.data import Dataset, Example, Table  # noqa: F401  (Table: its former home)
-from pflalign.data.dolly import first_line
+from pflalign.data.dolly import check_text, first_line
 from pflalign.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -128,11 +128,13 @@ def _load(source: str) -> tuple[dict[str, Any], str]:
                             f"use one of {', '.join(BUILDERS)} (or a folder of them)")
         if path.stat().st_size == 0:
             raise UserError(f"{path} is empty")
-        return _call_load_dataset(str(path), builder, data_files={"train": str(path)}), str(path)
+        return _call_load_dataset(str(path), builder, data_files={"train": str(path)},
+                                  as_text=builder == "csv"), str(path)
     if path.is_dir():
-        if not any(p.is_file() and p.suffix.lower() in BUILDERS for p in path.rglob("*")):
+        suffixes = {p.suffix.lower() for p in path.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS}
+        if not suffixes:
             raise UserError(f"{path} holds no {', '.join(BUILDERS)} files")
-        return _call_load_dataset(str(path), str(path)), str(path)
+        return _call_load_dataset(str(path), str(path), as_text=suffixes == {".csv"}), str(path)
     if path.suffix.lower() in BUILDERS or source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise UserError(f"data file not found: {path}")
     unreachable = _hub_unreachable()
@@ -163,7 +165,11 @@ def _hub_unreachable() -> str | None:
     return None
 
 
-def _call_load_dataset(where: str, *args, hub: bool = False, **kwargs) -> dict[str, Any]:
+def _call_load_dataset(where: str, *args, hub: bool = False, as_text: bool = False, **kwargs) -> dict[str, Any]:
+    """`datasets.load_dataset(*args, **kwargs)`'s splits, its errors as one line. `as_text`: every
+    column cast to text, for CSV: it has no types (its reader guesses numbers, 1.50 becoming 1.5),
+    so a cell is text; JSON, Parquet and hub tables keep their types, and a number in a text
+    column is refused (`_text`)."""
     try:
         import datasets
     except ImportError as error:  # a dependency, but say so plainly if it is missing
@@ -175,6 +181,9 @@ def _call_load_dataset(where: str, *args, hub: bool = False, **kwargs) -> dict[s
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         loaded = datasets.load_dataset(*args, **kwargs)
+        if as_text:
+            loaded = {name: split.cast(datasets.Features({c: datasets.Value("string") for c in split.column_names}))
+                      for name, split in loaded.items()}
     except Exception as error:  # datasets raises many types for a bad file or an unreachable hub
         if hub:
             raise UserError(
@@ -195,15 +204,27 @@ def _call_load_dataset(where: str, *args, hub: bool = False, **kwargs) -> dict[s
     return dict(loaded)
 
 
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def _text(value: Any, column: str, where: str) -> str:
-    """A cell as text: strings stripped, numbers and booleans written out, missing cells empty."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    """A text cell (instruction, response, context, a turn's content) stripped; a missing cell is
+    empty. Anything but a string is refused (`check_text`, as Dolly's and FLAN's fields): a
+    JSON 42 is not the text "42" (a CSV's cells are all text: `_call_load_dataset`'s `as_text`)."""
+    return "" if _missing(value) else check_text(value, column, where).strip()
+
+
+def _label(value: Any, column: str, where: str) -> str:
+    """A label cell (`partition_by`) as text: a label names a client or a class, so numbers and
+    booleans are written out (class ids 0, 1, 2 are labels); a missing cell is empty."""
+    if _missing(value):
         return ""
     if isinstance(value, str):
         return value.strip()
     if isinstance(value, (bool, int, float)):
         return str(value)
-    raise UserError(f"{where}: column {column!r} must be text, got {type(value).__name__}")
+    raise UserError(f"{where}: field {column!r} must be a label (text or a number), got {type(value).__name__}")
 
 
 def _rows(
@@ -243,7 +264,7 @@ def _rows(
             instruction = _text(data["instruction"][i], columns.instruction, row)
             response = _text(data["response"][i], columns.response, row)
         context = _text(data["context"][i], columns.context, row) if "context" in data else ""
-        value = _text(data["label"][i], label, row) if "label" in data else ""
+        value = _label(data["label"][i], label, row) if "label" in data else ""
         empty = [(role, name) for role, name, text in (("instruction", columns.instruction, instruction),
                                                        ("response", columns.response, response),
                                                        ("label", label, value))

@@ -53,8 +53,9 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     try:
-        rc = {**wire.RUN_DEFAULTS, **context.run_config}
-        with run_dir.guard(Path(str(rc["out"])).expanduser().absolute(), bool(rc["resume"]), bool(rc["overwrite"])):
+        rc = wire.run_options(context.run_config)  # every value checked before the run folder is touched
+        priv.from_run_config(rc)
+        with run_dir.guard(Path(rc["out"]).expanduser().absolute(), rc["resume"], rc["overwrite"]):
             run(prompt(grid), rc)  # replies looked for every 0.5 s, not 3 s (grid.py)
     except UserError as exc:
         log.error("pflalign: error: %s", exc)
@@ -62,8 +63,10 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def run(grid: Grid, rc: dict) -> dict:
+    rc = wire.run_options(rc)
     try:
-        rec = Recorder(Path(str(rc["out"])).expanduser().absolute(), bool(rc["resume"]), bool(rc["overwrite"]))
+        rec = Recorder(Path(rc["out"]).expanduser().absolute(), rc["resume"], rc["overwrite"],
+                       rc["allow-recipe-change"])
     except UserError as exc:  # its advice names pflalign run's flags
         raise UserError(f"{exc} (here: --run-config 'resume=true' or 'overwrite=true')") from None
     cfg = rec.config(None) if rec.resuming else wire.resolve_config(rc)
@@ -76,11 +79,10 @@ def run(grid: Grid, rc: dict) -> dict:
     names = wire.client_names(cfg)
     server = Server(method, lm.get_lora(), len(names))  # the server needs only w^0
     del lm
-    strategy = MethodStrategy(server, cfg, experiment=uuid.uuid4().hex[:12], min_clients=int(rc["min-clients"]),
-                              max_update_norm=float(rc["max-update-norm"]),
-                              max_update_ratio=float(rc["max-update-ratio"]),
-                              max_size_ratio=float(rc["max-size-ratio"]), privacy=privacy,
-                              connect_timeout=float(rc["connect-timeout"]), names=names)
+    strategy = MethodStrategy(server, cfg, experiment=uuid.uuid4().hex[:12], min_clients=rc["min-clients"],
+                              max_update_norm=rc["max-update-norm"], max_update_ratio=rc["max-update-ratio"],
+                              max_size_ratio=rc["max-size-ratio"], privacy=privacy,
+                              connect_timeout=rc["connect-timeout"], names=names)
     if rec.resuming:  # the server's part as pflalign run restores it, then what only Flower keeps
         server.load_state_dict(rec.checkpoint)
         strategy.load_state_dict(rec.checkpoint["flower"])
@@ -90,7 +92,7 @@ def run(grid: Grid, rc: dict) -> dict:
         rec.save(0, checkpoint(server, strategy))  # resumable even if the first round fails
     strategy.summary()
     log.info("run directory %s, experiment %s", rec.out, strategy.experiment)
-    timeout = float(rc["round-timeout"])
+    timeout = rc["round-timeout"]
     try:
         strategy.connect(grid, strategy.clients_of_round(rec.start_round))  # the first round's clients, not all N
         tic = time.perf_counter()

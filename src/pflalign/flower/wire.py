@@ -67,6 +67,7 @@ RUN_DEFAULTS = {
     "out": "runs/flower",  # run directory on the ServerApp's host
     "overwrite": False,  # replace a run already in `out`
     "resume": False,  # continue the unfinished run in `out` (its saved config; `config`/`set` ignored)
+    "allow-recipe-change": False,  # resume though config.json's training settings differ from the checkpoint's
     "min-clients": 0,  # replies that let a round finish; 0: every client sampled for the round
     "round-timeout": 3600,  # seconds to wait for a round's replies
     "connect-timeout": 600,  # seconds from the start to wait for the SuperNode of a sampled client not yet seen
@@ -191,6 +192,40 @@ def parse_overrides(text: str) -> dict:
         except json.JSONDecodeError as exc:
             raise UserError(f"run config `set`: not valid JSON: {exc}") from exc
     return parse_set(shlex.split(text))
+
+
+def run_options(run_config: dict) -> dict:
+    """The run config's keys about the Flower run itself (`RUN_DEFAULTS`, the privacy ones aside:
+    `privacy.from_run_config`), each checked before anything is written or loaded: a bad value
+    is a `UserError` naming its key (never a `ValueError` from deep inside a round). Returns
+    `RUN_DEFAULTS` updated by `run_config`, with these values as their types."""
+    rc = {**RUN_DEFAULTS, **run_config}
+
+    def number(key: str, low: float, strict: bool = False, integer: bool = False, off: bool = False):
+        value = rc[key]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+            and (not integer or float(value).is_integer())
+        if ok and not (off and value == 0):
+            ok = value > low if strict else value >= low
+        if not ok:
+            kind = "an integer" if integer else "a number"
+            bound = f"{'>' if strict else '>='} {low:g}" + (" (or 0: off)" if off else "")
+            raise UserError(f"run config {key} must be {kind} {bound}, got {value!r}")
+        return int(value) if integer else float(value)
+
+    for key in ("config", "set", "out", "client-dir"):
+        if not isinstance(rc[key], str):
+            raise UserError(f"run config {key} must be a string, got {rc[key]!r}")
+    for key in ("overwrite", "resume", "allow-recipe-change"):
+        if not isinstance(rc[key], bool):
+            raise UserError(f"run config {key} must be true or false, got {rc[key]!r}")
+    return {**rc, "min-clients": number("min-clients", 0, integer=True),
+            "round-timeout": number("round-timeout", 0, strict=True),
+            "connect-timeout": number("connect-timeout", 0, strict=True),
+            "max-update-norm": number("max-update-norm", 0),
+            "max-update-ratio": number("max-update-ratio", 0),
+            # below 1 the median client itself would be rejected: a bound is >= 1, and 0 turns it off
+            "max-size-ratio": number("max-size-ratio", 1, off=True)}
 
 
 def resolve_config(run_config: dict) -> RunConfig:

@@ -256,8 +256,7 @@ def _build(gguf: Path, dtype: torch.dtype, root: Path, folder: Path, key: dict):
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
         _write_folder(tmp, model, tok, key)
-        for path in [tmp, *tmp.iterdir()]:  # mkdtemp and safetensors make 0700/0600: readable for every user
-            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        ckpt.follow_umask(tmp)  # mkdtemp and safetensors make 0700/0600: as the user's umask says
         cached, cached_tok = load_folder(tmp, dtype)
         diff = differences(model, tok, cached, cached_tok)
         if diff:
@@ -298,7 +297,6 @@ def cached_folder(gguf: Path, dtype: torch.dtype, root: Path) -> Path | None:
                             f"{key['gguf_sha256']}), de-quantized to {dtype} by transformers' GGUF loader: not the "
                             "original release's weights. Written by pflalign's model cache; "
                             "`AutoModelForCausalLM.from_pretrained` loads this folder.\n")
-            os.chmod(note, 0o644)
         except OSError:  # a read-only cache: the folder loads all the same
             pass
     return folder

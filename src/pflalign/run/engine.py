@@ -312,10 +312,13 @@ class _Adapters(Mapping):
 
 @run_dir.guarded  # --out checked and locked, --overwrite restores the old run on failure
 def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
-        stop_after: int | None = None, progress: bool = True, workers: int = 1) -> dict | None:
+        stop_after: int | None = None, progress: bool = True, workers: int = 1,
+        allow_recipe_change: bool = False) -> dict | None:
     """Run (or resume) one federated job into `out`; returns results, or None when stopped early.
-    `workers` > 1: clients train and are scored in that many one-thread processes (`pflalign.run.workers`)."""
-    rec = Recorder(out, resume, overwrite)
+    `workers` > 1: clients train and are scored in that many one-thread processes (`pflalign.run.workers`).
+    `allow_recipe_change`: resume though config.json's training recipe is not the checkpoint's
+    (`Recorder.config`)."""
+    rec = Recorder(out, resume, overwrite, allow_recipe_change)
     cfg = rec.config(cfg)
     fed = Federation(cfg, progress=progress, out=rec.out, workers=workers)
     start = fed.restore(rec.checkpoint) if rec.resuming else 0

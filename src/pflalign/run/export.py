@@ -28,8 +28,10 @@ random test model saved once under ``$PFLALIGN_CACHE/base/``. Each folder's
 ``README.md`` (a model card, as PEFT's ``save_pretrained`` writes) says which base,
 and the method, data, rounds and the client's scores.
 
-Every file is written readable by all (0644; folders 0755), the merged
-``model.safetensors`` too (transformers writes it 0600).
+Every file and folder gets the mode a plain write gives under the user's umask
+(`checkpoint.umask_mode`: 0644 and 0755 under 022, 0600 and 0700 under 077), the
+merged ``model.safetensors`` too (transformers writes it 0600): never readable by
+more users than the umask allows.
 """
 
 from __future__ import annotations
@@ -139,9 +141,11 @@ def _versions_digest(spec: str) -> str:
 
 
 def readable(folder: Path) -> None:
-    """Every file under `folder` 0644 and every folder 0755 (safetensors and tempfile make 0600/0700)."""
-    for path in [Path(folder), *Path(folder).rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    """Every file and folder under `folder` as the user's umask says (`checkpoint.follow_umask`;
+    safetensors, transformers and tempfile make 0600/0700 whatever it is)."""
+    from .. import checkpoint as ckpt
+
+    ckpt.follow_umask(folder)
 
 
 # ---- one adapter folder ---------------------------------------------------------
@@ -185,11 +189,47 @@ def _naming(path: Path):
 
 
 def read_adapter(folder: Path) -> dict[str, torch.Tensor]:
-    """The tensors of an adapter folder under our live names (the inverse of `write_adapter`)."""
+    """The tensors of an adapter folder under our live names (the inverse of `write_adapter`),
+    checked: a missing, truncated or damaged file (weights or config) is one line naming it."""
     from safetensors.torch import load_file
 
+    folder = Path(folder)
+    config = folder / ADAPTER_CONFIG
+    try:
+        json.loads(config.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{config} is missing: {folder} is not a whole adapter folder; export the run again") from None
+    except (OSError, ValueError) as exc:  # ValueError: bad JSON or bad UTF-8
+        raise UserError(f"{config} is damaged ({_said(exc)}); export the run again") from None
+    weights = folder / ADAPTER_WEIGHTS
+    try:
+        tensors = load_file(str(weights))
+    except FileNotFoundError:
+        raise UserError(f"{weights} is missing: {folder} is not a whole adapter folder; export the run again") from None
+    except Exception as exc:  # safetensors' SafetensorError (truncated, not safetensors), OSError
+        raise UserError(f"{weights} is damaged or truncated ({_said(exc)}); export the run again") from None
     return {n.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): t
-            for n, t in load_file(str(Path(folder) / ADAPTER_WEIGHTS)).items()}
+            for n, t in tensors.items()}
+
+
+def _said(exc: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def merge_adapter(base, folder: Path):
+    """`base` with the adapter in `folder` folded in (PEFT's ``merge_and_unload``): the one way
+    ``pflalign generate`` and ``pflalign export --merged`` read an adapter folder, checked first
+    (`read_adapter`), so a damaged file is one line naming it, not PEFT's or safetensors' traceback."""
+    import warnings
+
+    from peft import PeftModel
+
+    read_adapter(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
 
 
 # ---- the model card --------------------------------------------------------------
@@ -397,16 +437,10 @@ def write_merged(folder: Path, model_spec: str, adapter_folder: Path, dtype: tor
     """A full Hugging Face model folder (safetensors, tokenizer, generation config) with the
     adapter in `adapter_folder` folded into the base weights (``merge_and_unload``): loadable
     with ``AutoModelForCausalLM.from_pretrained(folder)`` alone."""
-    import warnings
-
-    from peft import PeftModel
-
     from ..model import load_base_model
 
     base, tokenizer = load_base_model(model_spec, dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = PeftModel.from_pretrained(base, str(adapter_folder)).merge_and_unload()
+    model = merge_adapter(base, adapter_folder)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import checkpoint as ckpt
-from ..config import RunConfig, load_saved_config, to_dict
+from ..config import RunConfig, load_saved_config, recipe, to_dict
 from ..errors import UserError
 from ..run_stats import DIVERGED_LOSS_RATIO, client_starts, distribution, judgeable_start, start_loss  # noqa: F401  (their former home)
 
@@ -56,6 +56,17 @@ def prepare_run_dir(out: Path, resume: bool, overwrite: bool) -> bool:
 def saved_config(out: Path) -> RunConfig:
     """The config a run folder was started with (missing or damaged: one line, issue 20)."""
     return load_saved_config(out / ckpt.CONFIG)
+
+
+def recipe_changes(trained: dict | None, cfg: RunConfig) -> dict[str, list]:
+    """{key: [value the checkpoint's rounds were trained with, value in `cfg`]} for each key of
+    the training recipe (`config.recipe`) that differs; {} for a checkpoint from before the
+    recipe was saved in it (`trained` None: nothing to compare). A key one side lacks (a setting
+    added since) is not compared."""
+    if trained is None:
+        return {}
+    now = recipe(cfg)
+    return {k: [trained[k], now[k]] for k in sorted(trained.keys() & now.keys()) if trained[k] != now[k]}
 
 
 # ---- round bookkeeping shared by the engines ------------------------------------
@@ -116,26 +127,50 @@ class Recorder:
     cuts the metrics back to the checkpoint (resumed run).
     """
 
-    def __init__(self, out: Path | str, resume: bool, overwrite: bool):
+    def __init__(self, out: Path | str, resume: bool, overwrite: bool, allow_recipe_change: bool = False):
         self.out = Path(out)
         self.resuming = prepare_run_dir(self.out, resume, overwrite)
         self.checkpoint = ckpt.load_run_checkpoint(self.out) if self.resuming else None  # the one resumed from
         self.metrics: ckpt.MetricsLog | None = None
         self.saved = (0, 0)  # (rounds done, metrics offset) of the newest checkpoint on disk
+        self.allow_recipe_change = allow_recipe_change
+        self.recipe: dict | None = None  # the run's training recipe, saved in every checkpoint
+        self.recipe_changes: dict[str, list] = {}  # key → [before, after]: allowed changes at this resume
 
     def config(self, cfg: RunConfig) -> RunConfig:
-        """The run's config: `cfg` for a fresh run, the saved one when resuming."""
-        return saved_config(self.out) if self.resuming else cfg
+        """The run's config: `cfg` for a fresh run, the saved one when resuming, refused when its
+        training recipe is not the one the checkpoint's rounds were trained with (config.json
+        edited under the run) unless `allow_recipe_change`."""
+        if not self.resuming:
+            return cfg
+        cfg = saved_config(self.out)
+        trained = self.checkpoint.get("recipe")
+        if trained is None:
+            log.warning("%s predates recipes in checkpoints: config.json is not compared with what its rounds "
+                        "were trained with", self.out / ckpt.CHECKPOINT)
+        self.recipe_changes = recipe_changes(trained, cfg)
+        if self.recipe_changes and not self.allow_recipe_change:
+            listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.recipe_changes.items())
+            raise UserError(f"{self.out / ckpt.CONFIG} is not the recipe the checkpoint's "
+                            f"{self.checkpoint['rounds_done']} rounds were trained with ({listed}); put it back, "
+                            "or continue with --allow-recipe-change (Flower: 'allow-recipe-change=true') to "
+                            "train the rounds left so (metrics.jsonl records the change)")
+        return cfg
 
     @property
     def start_round(self) -> int:
         return self.checkpoint["rounds_done"] if self.resuming else 0
 
     def open(self, cfg: RunConfig) -> None:
+        self.recipe = recipe(cfg)
         if self.resuming:
             self.saved = (self.checkpoint["rounds_done"], self.checkpoint["metrics_offset"])
             self.metrics = ckpt.MetricsLog(self.out / ckpt.METRICS, resume_offset=self.saved[1])
             log.info("resuming %s after round %d of %d", self.out, self.saved[0], cfg.rounds)
+            if self.recipe_changes:  # allowed: the rounds before `round` were trained with the old values
+                log.warning("the rounds from %d on are trained with another recipe: %s", self.saved[0] + 1,
+                            ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.recipe_changes.items()))
+                self.metrics.write(event="recipe_change", round=self.saved[0], changed=self.recipe_changes)
         else:
             self.out.mkdir(parents=True, exist_ok=True)
             ckpt.write_json(self.out / ckpt.CONFIG, to_dict(cfg))
@@ -179,7 +214,8 @@ class Recorder:
         until the checkpoint and `saved` agree)."""
         with ckpt.sigint_deferred():
             offset = self.metrics.commit()
-            ckpt.save_run_checkpoint(self.out, {"rounds_done": rounds_done, **payload, "metrics_offset": offset})
+            ckpt.save_run_checkpoint(self.out, {"rounds_done": rounds_done, **payload, "recipe": self.recipe,
+                                                "metrics_offset": offset})
             self.saved = (rounds_done, offset)
 
     def rollback(self) -> None:
