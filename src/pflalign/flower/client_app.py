@@ -64,6 +64,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -73,7 +74,7 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from ..errors import UserError
+from ..errors import OutOfMemory, UserError
 
 if TYPE_CHECKING:  # imported where they are used (see the module docstring)
     from ..run.client import Client
@@ -229,6 +230,19 @@ def _info(client: Client) -> dict:
             "info": ConfigRecord({"client": client.id, "task": client.name})}
 
 
+@contextmanager
+def out_of_memory_said(say):
+    """Out of memory (a GPU's, or this process's: a CPU `MemoryError` carries no message) as
+    `OutOfMemory` with what ran out and what to lower (`say()`): Flower's error reply carries the
+    exception's text, which the server logs as the client's reason for missing the round."""
+    import torch
+
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError):
+        raise OutOfMemory(say()) from None
+
+
 # ---- the three message handlers ---------------------------------------------------------
 @app.query()
 def query(msg: Message, context: Context) -> Message:
@@ -252,6 +266,7 @@ def train(msg: Message, context: Context) -> Message:
     layout (privacy.py): the same round, with w^r from ``fitins.parameters`` and the upload
     (masked by `secaggplus_mod` after this returns) in ``fitres.parameters``."""
     from ..run.client import train_client
+    from ..run.workers import training_out_of_memory
     from . import privacy, wire
 
     tic = time.perf_counter()
@@ -270,7 +285,8 @@ def train(msg: Message, context: Context) -> Message:
         global_params = wire.from_record(msg.content[wire.GLOBAL], dtype, device)
         received = wire.unpack(msg.content, wire.BROADCAST, dtype, device)
     r = int(conf["round"])
-    result = train_client(lm, method, client, global_params, received, cfg, r)
+    with out_of_memory_said(lambda: training_out_of_memory(cfg, client.id, client.name)):
+        result = train_client(lm, method, client, global_params, received, cfg, r)
     save_state(folder, int(conf["done"]) + 1, client)
     log.info("client %d (%s): round %d done, mean loss %.4f", client.id, client.name, r + 1,
              sum(result.losses) / len(result.losses))
@@ -296,6 +312,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     from .. import checkpoint as ckpt
     from ..run import export
     from ..run.client import score_client
+    from ..run.workers import scoring_out_of_memory
     from . import wire
 
     cfg, conf, lm, client, method, folder = _setup(msg, context)
@@ -308,7 +325,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     outputs, reply = {}, _info(client)
     jobs = [("personalized", personal), ("global", global_params)] + ([("base", None)] if conf.get("base") else [])
     for label, adapter in jobs:
-        score, outputs[label] = score_client(lm, test, adapter, cfg, f"eval {label} {client.name}", False)
+        with out_of_memory_said(lambda: scoring_out_of_memory(cfg, client.id, label)):
+            score, outputs[label] = score_client(lm, test, adapter, cfg, f"eval {label} {client.name}", False)
         reply["metrics"][f"rouge_l_{label}"] = score
     reply["metrics"]["n_test"] = len(test)
     if conf.get("predictions"):

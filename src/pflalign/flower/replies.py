@@ -10,6 +10,7 @@ metrics of replies already summed under SecAgg+ (`secagg_metrics`) and an evalua
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -33,13 +34,23 @@ def match(pending: list[tuple[Message, int]], unreached: dict[int, str], replies
         if reply.has_error():
             if "TrainingDiverged" in reply.error.reason:
                 raise TrainingDiverged(f"{name(k)}: {reply.error.reason}")
-            missing[k] = reply.error.reason
+            missing[k] = readable(reply.error.reason)
         else:
             got[k] = reply
     for _, k in pending:
         if k not in got and k not in missing:
             missing[k] = "no reply before the timeout"
     return got, missing
+
+
+def readable(reason: str) -> str:
+    """A ClientApp's exception as Flower words its error reply ("<class 'pkg.Error'>:<'text'>") in one
+    line, "Error: text"; any other reason as it is."""
+    match_ = re.fullmatch(r"<class '(?:[\w.]+\.)?(\w+)'>:<'(.*)'>", reason.strip(), flags=re.S)
+    if not match_:
+        return reason
+    name, text = match_.groups()
+    return f"{name}: {text}" if text else name
 
 
 def decode(content: RecordDict, dtype) -> dict[str, Params]:

@@ -154,10 +154,20 @@ def _run(side: ClientSide, job, shared: dict, progress: bool = False, on_step=No
 def out_of_memory(cfg, job) -> str:
     """What ran out of memory, with the settings that size it and what to lower."""
     if isinstance(job, TrainJob):
-        return (f"out of memory training client {job.k} ({job.record.name}) with batch_size={cfg.batch_size}, "
-                f"max_seq_len={cfg.max_seq_len}, model {cfg.model}: lower batch_size or max_seq_len, or use a "
-                "smaller model")
-    return (f"out of memory scoring client {job.k}'s {job.model} model with eval.batch_size={cfg.eval.batch_size}, "
+        return training_out_of_memory(cfg, job.k, job.record.name)
+    return scoring_out_of_memory(cfg, job.k, job.model)
+
+
+def training_out_of_memory(cfg, k: int, name: str) -> str:
+    """`out_of_memory` for client k's training (also the Flower ClientApp's)."""
+    return (f"out of memory training client {k} ({name}) with batch_size={cfg.batch_size}, "
+            f"max_seq_len={cfg.max_seq_len}, model {cfg.model}: lower batch_size or max_seq_len, or use a "
+            "smaller model")
+
+
+def scoring_out_of_memory(cfg, k: int, model: str) -> str:
+    """`out_of_memory` for scoring client k's `model` ("personalized", "global", "base")."""
+    return (f"out of memory scoring client {k}'s {model} model with eval.batch_size={cfg.eval.batch_size}, "
             f"max_seq_len={cfg.max_seq_len}, eval.max_new_tokens={cfg.eval.max_new_tokens}, model {cfg.model}: "
             "lower eval.batch_size (or max_seq_len), or use a smaller model")
 
