@@ -40,10 +40,11 @@ def config(preset: str | None = None, overrides: dict | None = None):
 
 
 def run(cfg, out: str | Path, resume: bool = False, overwrite: bool = False, progress: bool = True,
-        workers: int = 1) -> dict:
+        workers: int = 1, batch: str = "none") -> dict:
     """Run `cfg` into the folder `out` (as ``pflalign run``; `resume` continues an unfinished run
     there with its saved config) and return its results (results.json's dict). `workers` > 1: a
-    round's clients train in that many one-thread processes (``--workers``). `progress`: progress
+    round's clients train in that many one-thread processes (``--workers``); `batch` "clients":
+    a round's clients train in lockstep, one pass for all (``--batch clients``). `progress`: progress
     bars on stderr, as ``pflalign run`` shows them (minutes of silence look like a hang); False
     silences them, transformers' own bars too for the call (``--no-progress``)."""
     from transformers.utils import logging as hf_logging
@@ -54,7 +55,8 @@ def run(cfg, out: str | Path, resume: bool = False, overwrite: bool = False, pro
     if not progress:
         hf_logging.disable_progress_bar()
     try:
-        return run_engine(cfg, Path(out), resume=resume, overwrite=overwrite, progress=progress, workers=workers)
+        return run_engine(cfg, Path(out), resume=resume, overwrite=overwrite, progress=progress, workers=workers,
+                          batch=batch)
     finally:
         if bars and not progress:
             hf_logging.enable_progress_bar()
