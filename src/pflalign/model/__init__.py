@@ -522,7 +522,8 @@ class FederatedLM:
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
         counts = [int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches]
         width = max(b["input_ids"].shape[1] for b in batches)
-        fills = {"input_ids": self.tokenizer.pad_token_id, "attention_mask": 0, "labels": IGNORE}
+        pad = getattr(self.tokenizer, "pad_token_id", None) or 0  # masked out: any id (no tokenizer in benchmarks)
+        fills = {"input_ids": pad, "attention_mask": 0, "labels": IGNORE}
         joined = {key: torch.cat([F.pad(b[key], (0, width - b[key].shape[1]), value=fill) for b in batches])
                   for key, fill in fills.items()}
         owners = [j for j, b in enumerate(batches) for _ in range(b["input_ids"].shape[0])]  # each row's client
