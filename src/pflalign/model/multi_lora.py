@@ -19,7 +19,8 @@ with a loss that is the sum of the clients' own mean losses, exactly its own gra
 had run alone (up to the rounding of sums taken in another order; tested).
 
 The fused SwiGLU MLP (lora_mlp.py) serves one adapter: under a routing it runs the unfused
-module, whose three LoRA projections route as above. Nothing changes while no routing is set:
+module, whose three LoRA projections route as above (on CPU a shared pass is therefore slower
+per token than one client's fused one: benchmarks/batched.py). Nothing changes while no routing is set:
 the layers are switched the first time a model is routed (`install`), and their forward then
 calls PEFT's own unless a routing is active.
 """
@@ -38,8 +39,8 @@ from ..params import Params
 
 @dataclass
 class Routing:
-    """Whose tokens are which in one call: `adapters[j]` (tensors by the model's LoRA names) for
-    the j-th run's ... tokens, runs given as (adapter index, token count) in flattened order."""
+    """Whose tokens are which in one call: `runs` of (j, n), in the call's flattened token order,
+    say that the next n tokens take adapter `adapters[j]` (its tensors by the model's LoRA names)."""
 
     adapters: list[Params]
     runs: list[tuple[int, int]]
