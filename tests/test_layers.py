@@ -25,14 +25,15 @@ LAYERS: list[dict[str, list[str]]] = [
                        "optim"],  # the local optimizers' math (SGD, AdamW) and the lr schedule, below the methods
     },
     {
-        "model": ["model", "model.attention", "model.lora_mlp", "model.rms_norm", "model.head_loss", "model.base_cache"],  # and its CPU kernels
+        "model": ["model", "model.attention", "model.lora_mlp", "model.rms_norm", "model.head_loss", "model.base_cache",
+                  "model.multi_lora"],  # and its CPU kernels; several adapters in one pass
         "methods": ["methods", "methods.*"],
     },
     {  # a config checked against the methods and data (config.make_method); the partition step
         "setup": ["config", "partition", "run.data_cache"],
     },
     {
-        "client": ["run.client", "run.workers", "run.export"],  # the client side, both engines
+        "client": ["run.client", "run.lockstep", "run.workers", "run.export"],  # the client side, both engines
         "server": ["run.server"],  # the server side, both engines: the method's server rule, w^r, server state
         "lifecycle": ["run.lifecycle"],  # the run folder and its bookkeeping: needs no client code
     },

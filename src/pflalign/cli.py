@@ -62,7 +62,7 @@ def cmd_run(args) -> int:
         quiet_library_bars()
     results = run(cfg, Path(args.out), resume=args.resume, overwrite=args.overwrite,
                   stop_after=args.stop_after_rounds, progress=not args.no_progress, workers=args.workers,
-                  allow_recipe_change=args.allow_recipe_change)
+                  allow_recipe_change=args.allow_recipe_change, batch=args.batch)
     if results is None:
         print(f"stopped after the requested rounds; continue with: pflalign run --out {args.out} --resume")
         return 0
@@ -99,7 +99,7 @@ def cmd_sweep(args) -> int:
 
     try:
         with RunLock(Path(args.out), "sweep"):  # one sweep at a time in a folder (each run also locks its own)
-            run_sweep(runs, progress=not args.no_progress, workers=args.workers)
+            run_sweep(runs, progress=not args.no_progress, workers=args.workers, batch=args.batch)
     except KeyboardInterrupt:
         print("pflalign: interrupted; rerun the same sweep command to continue where it stopped", file=sys.stderr)
         return 130
@@ -157,6 +157,10 @@ def cmd_fetch_model(args) -> int:
 WORKERS_HELP = ("train a round's clients, and score them, in N processes of one thread each (CPU; default 1: "
                 "this process with all its threads); N = the cores is fastest, and the results equal a "
                 "one-thread run's bit for bit")
+BATCH_CHOICES = ("none", "clients")
+BATCH_HELP = ("clients: train a round's clients in lockstep, local step t of all of them in one forward and "
+              "backward through the base, each with its own adapter (results equal the one-at-a-time run's to "
+              "float rounding; not with --workers > 1 or gradient accumulation); default none: one at a time")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop-after-rounds", type=int, metavar="N", help="stop (checkpointed) after N more rounds")
     run.add_argument("--no-progress", action="store_true", help="no progress bars (log lines instead)")
     run.add_argument("--workers", type=int, default=1, metavar="N", help=WORKERS_HELP)
+    run.add_argument("--batch", choices=BATCH_CHOICES, default="none", help=BATCH_HELP)
     run.set_defaults(func=cmd_run)
 
     sweep = sub.add_parser("sweep", help="run a grid of datasets x methods x seeds, skipping finished runs")
@@ -194,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "results): a run found there with the same config is skipped (repeatable)")
     sweep.add_argument("--no-progress", action="store_true", help="no progress bars")
     sweep.add_argument("--workers", type=int, default=1, metavar="N", help=WORKERS_HELP)
+    sweep.add_argument("--batch", choices=BATCH_CHOICES, default="none", help=BATCH_HELP)
     sweep.set_defaults(func=cmd_sweep)
 
     rescore = sub.add_parser("rescore", help="score a finished run's models again under other evaluation settings")

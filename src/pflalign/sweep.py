@@ -363,8 +363,8 @@ def _check_same_config(run: PlannedRun) -> None:
                         f"use another --out or remove that run")
 
 
-def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1) -> list[dict]:
-    """Run the planned runs one after another (`workers`: engine.run's); returns each finished
+def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1, batch: str = "none") -> list[dict]:
+    """Run the planned runs one after another (`workers`, `batch`: engine.run's); returns each finished
     one's results. A run whose training reaches a non-finite value stops (engine.run keeps its last
     checkpoint) and the sweep goes on with the others: one grid point that blows up does not cost the
     rest of the grid. Such runs are named, with what happened, in one UserError at the end."""
@@ -387,7 +387,7 @@ def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1) -
             # a 'new' run may hold leftovers of a first round that never finished: start afresh
             try:
                 results = run_one(None if resume else r.cfg, r.out, resume=resume, overwrite=not resume,
-                                  progress=progress, workers=workers)
+                                  progress=progress, workers=workers, batch=batch)
             except TrainingDiverged as exc:
                 say(f"{head}: stopped after {(time.perf_counter() - tic) / 60:.1f} min: {exc}")
                 stopped.append(f"{r.key} ({exc})")

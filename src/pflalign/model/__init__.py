@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from .attention import use_segment_attention
 from ..settings import LoraSettings  # noqa: F401  (its former home; `FederatedLM.build` takes one)
 from .lora_mlp import use_fused_lora_mlp
+from . import multi_lora
 from .model_cache import load_dequantized
 from .rms_norm import use_fused_rms_norm
 from ..errors import UserError
@@ -473,6 +474,12 @@ class FederatedLM:
     def _loss_sum(self, input_ids, attention_mask, labels, position_ids=None,
                   segment_lengths=None) -> tuple[torch.Tensor, int]:
         """(sum of the response tokens' cross-entropies, their number)."""
+        inputs, targets, _ = self._response_states(input_ids, attention_mask, labels, position_ids, segment_lengths)
+        return self._head_loss_sum(inputs, targets), len(targets)
+
+    def _response_states(self, input_ids, attention_mask, labels, position_ids=None, segment_lengths=None):
+        """(the last hidden states at the positions that predict a response token, those tokens,
+        the mask of those positions among labels[:, 1:])."""
         base = self.model.get_base_model()
         backbone = getattr(base, base.base_model_prefix)
         extra = {} if position_ids is None else {"position_ids": position_ids}
@@ -480,12 +487,92 @@ class FederatedLM:
             extra["segment_lengths"] = segment_lengths
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).last_hidden_state
         keep = labels[:, 1:] != IGNORE
-        inputs, targets = hidden[:, :-1][keep], labels[:, 1:][keep]
-        head = base.get_output_embeddings()
+        return hidden[:, :-1][keep], labels[:, 1:][keep], keep
+
+    def _head_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Σ cross-entropy of the LM head's logits of `inputs` against `targets`."""
+        head = self.model.get_base_model().get_output_embeddings()
         if type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad:
             # frozen head: logits never kept for backward (model/head_loss.py)
-            return head_cross_entropy_sum(inputs, head.weight, targets), len(targets)
-        return F.cross_entropy(head(inputs).float(), targets, reduction="sum"), len(targets)
+            return head_cross_entropy_sum(inputs, head.weight, targets)
+        return F.cross_entropy(head(inputs).float(), targets, reduction="sum")
+
+    # ---- several clients in one pass (model/multi_lora.py) ------------------------------
+    def routed_loss_and_grads(self, batches: list[dict], adapters: list[Params], unpadded: bool | None = None,
+                              pack_tokens: int = PACK_TOKENS) -> list[float]:
+        """`loss_and_grads` for K clients in one pass through the base: client j's minibatch
+        `batches[j]` at its adapter `adapters[j]` (its own tensors by the names of `lora`, leaves
+        that require gradients). Returns the K losses, each its batch's mean over its response
+        tokens; each adapter's ``.grad`` buffers then hold its own client's gradient (zeroed here
+        first, as `loss_and_grads` zeroes the live adapter's).
+
+        The examples, client after client, go through as `loss_and_grads` sends one batch's: on
+        CPU (`unpadded` None or True) packed into rows of at most `pack_tokens` tokens, a row
+        possibly holding several clients' examples (each attends only to itself), one row's
+        activations alive at a time; on GPU as one padded batch. What is back-propagated is
+        Σ_j (client j's summed token losses / its response tokens), whose gradient in client j's
+        adapter is that of its own mean loss: its gradient alone (tested)."""
+        slot = multi_lora.install(self.model, set(self.lora))
+        for adapter in adapters:
+            for p in adapter.values():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                else:
+                    p.grad.zero_()
+        batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
+        counts = [int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches]
+        width = max(b["input_ids"].shape[1] for b in batches)
+        pad = getattr(self.tokenizer, "pad_token_id", None) or 0  # masked out: any id (no tokenizer in benchmarks)
+        fills = {"input_ids": pad, "attention_mask": 0, "labels": IGNORE}
+        joined = {key: torch.cat([F.pad(b[key], (0, width - b[key].shape[1]), value=fill) for b in batches])
+                  for key, fill in fills.items()}
+        owners = [j for j, b in enumerate(batches) for _ in range(b["input_ids"].shape[0])]  # each row's client
+        values = [0.0 if n else float("nan") for n in counts]  # no response token: the loss is 0/0, as alone
+        if unpadded is None:
+            unpadded = self.device.type == "cpu"
+        if not unpadded:
+            token_owner = torch.tensor(owners, device=self.device)[:, None].expand(-1, width)
+            self._routed_backward(joined, token_owner, adapters, counts, values, slot)
+            return values
+        lengths = joined["attention_mask"].sum(dim=1).tolist()
+        rows = pack_rows(joined, pack_tokens, self.dtype, segments=self.segment_attention)
+        for row, group in zip(rows, pack_groups(lengths, pack_tokens)):
+            token_owner = torch.cat([torch.full((lengths[i],), owners[i], device=self.device) for i in group])[None]
+            self._routed_backward(row, token_owner, adapters, counts, values, slot)
+        return values
+
+    def _routed_backward(self, row: dict, token_owner: torch.Tensor, adapters: list[Params], counts: list[int],
+                         values: list[float], slot) -> None:
+        """One routed forward and backward (a packed row, or the padded batch): each client's summed
+        token losses over its response tokens `counts[j]`, added to `values[j]`."""
+        owner, sizes = torch.unique_consecutive(token_owner.flatten(), return_counts=True)
+        runs = list(zip(owner.tolist(), sizes.tolist()))
+        with multi_lora.routed(slot, multi_lora.Routing(adapters, runs)):
+            inputs, targets, keep = self._response_states(**row)
+        present, kept = torch.unique_consecutive(token_owner[:, 1:][keep], return_counts=True)
+        kept = kept.tolist()
+        shares = [(j, self._head_loss_sum(x, y) / counts[j])
+                  for j, x, y in zip(present.tolist(), inputs.split(kept), targets.split(kept))]
+        if not shares:
+            return
+        sum(share for _, share in shares).backward()
+        for j, share in shares:
+            values[j] += share.item()
+
+
+def pack_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """The examples (by index) of each packed row: in order, a row filled while the next example
+    fits in `max_tokens`; a longer example gets a row of its own."""
+    groups: list[list[int]] = []
+    filled = 0  # tokens in the last row
+    for i, n in enumerate(lengths):
+        if groups and filled + n <= max_tokens:
+            groups[-1].append(i)
+            filled += n
+        else:
+            groups.append([i])
+            filled = n
+    return groups
 
 
 def pack_rows(batch: dict[str, torch.Tensor], max_tokens: int, dtype: torch.dtype = torch.float32,
@@ -500,17 +587,8 @@ def pack_rows(batch: dict[str, torch.Tensor], max_tokens: int, dtype: torch.dtyp
     example carries neither, so attention takes its plain causal path.
     """
     lengths = batch["attention_mask"].sum(dim=1).tolist()
-    groups: list[list[int]] = []
-    filled = 0  # tokens in the last row
-    for i, n in enumerate(lengths):
-        if groups and filled + n <= max_tokens:
-            groups[-1].append(i)
-            filled += n
-        else:
-            groups.append([i])
-            filled = n
     rows = []
-    for group in groups:
+    for group in pack_groups(lengths, max_tokens):
         ids = torch.cat([batch["input_ids"][i, : lengths[i]] for i in group])[None]
         if len(group) == 1:
             rows.append({"input_ids": ids, "attention_mask": None, "labels": batch["labels"][group[0] : group[0] + 1, : lengths[group[0]]]})

@@ -24,8 +24,9 @@ Dolly round's peak memory down.
 
 `use_fused_lora_mlp` switches the MLPs of a PEFT Llama-family model. The fused
 path runs only when gradients are wanted and the adapter is a plain active
-LoRA (one adapter, no dropout, no DoRA, not merged, not disabled); anything
-else — generation, the merged adapter of evaluation — runs the module as it was.
+LoRA (one adapter, no dropout, no DoRA, not merged, not disabled, not routed to
+several clients' adapters: multi_lora.py); anything else — generation, the merged
+adapter of evaluation — runs the module as it was.
 """
 
 from __future__ import annotations
@@ -105,8 +106,10 @@ def _plain_lora(layer) -> bool:
     """A PEFT LoRA linear whose forward is exactly W x + s B(A(x)) with the 'default' adapter."""
     from peft.tuners.lora import Linear as LoraLinear
 
+    from .multi_lora import is_routed
+
     return (
-        isinstance(layer, LoraLinear) and not layer.disable_adapters and not layer.merged
+        isinstance(layer, LoraLinear) and not is_routed(layer) and not layer.disable_adapters and not layer.merged
         and list(layer.active_adapters) == ["default"] and not layer.lora_variant
         and isinstance(layer.lora_dropout["default"], torch.nn.Identity)
         and layer.get_base_layer().bias is None

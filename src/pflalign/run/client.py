@@ -157,63 +157,93 @@ def local_round(
     is updated in place.
     """
     batches = list(batches)
-    opt = make_optimizer(optimizer) if optimizer is not None else None
     accumulated = None  # the gradient buffer of accumulated steps, made at the first
-    # the round's scratch (pFLAlign's m, SCAFFOLD's c): apart from `state`, dropped when this returns
-    scratch = method.new_scratch()
-    lm.set_lora(method.client_start(global_params, state, received, scratch))
-    stats = GradientStats()
-    frozen = [n for n in lm.lora if not method.trains(n)]  # left out of the GSNR (FFA-LoRA's A)
-    trained = [n for n in lm.lora if method.trains(n)] if frozen else None
-    losses = []
+    steps = LocalRound(method, state, global_params, received, len(batches), lr, round_index, optimizer,
+                       lm.lora, lm.set_lora)
     for t, batch in enumerate(batches):
+        def gradient(batch=batch):
+            nonlocal accumulated
+            if isinstance(batch, dict):
+                return lm.loss_and_grads(batch)
+            if accumulated is None:
+                accumulated = zeros_like({n: p.detach() for n, p in lm.lora.items()})
+            return accumulated_loss_and_grads(lm, batch, accumulated)
+
+        loss = steps.step(t, gradient)
+        if on_step is not None:
+            on_step(t, loss)
+    return steps.finish()
+
+
+class LocalRound:
+    """One client's round of `method`'s client rule, a step at a time, on the tensors `live` (its
+    live adapter): made at the round's start (w_{k,0} from `client_start`, loaded with `load`),
+    then `step(t, gradient)` for t = 0..T-1, then `finish()` → its `ClientRound`. `local_round`
+    runs it on the model's one adapter; the lockstep engine (run/lockstep.py) runs several,
+    each on its own adapter, their gradients computed together."""
+
+    def __init__(self, method: Method, state: State, global_params: Params, received: Message, num_steps: int,
+                 lr: float, round_index: int, optimizer, live: Params, load: Callable[[Params], None]):
+        self.method, self.state, self.global_params, self.live = method, state, global_params, live
+        self.num_steps, self.lr, self.round_index = num_steps, lr, round_index
+        self.opt = make_optimizer(optimizer) if optimizer is not None else None
+        # the round's scratch (pFLAlign's m, SCAFFOLD's c): apart from `state`, dropped when it ends
+        self.scratch = method.new_scratch()
+        load(method.client_start(global_params, state, received, self.scratch))
+        self.stats = GradientStats()
+        frozen = [n for n in live if not method.trains(n)]  # left out of the GSNR (FFA-LoRA's A)
+        self.trained = [n for n in live if method.trains(n)] if frozen else None
+        self.losses: list[float] = []
+
+    def step(self, t: int, gradient: Callable[[], tuple[float, Params]]) -> float:
+        """Local step t; `gradient()` → (loss, grads) at the live tensors (called with autograd on,
+        once or more: SAM's second call). Returns the step's loss."""
+        round_index, lr = self.round_index, self.lr
         first_call = [True]
 
-        def grad_fn(batch=batch, first_call=first_call, t=t):
-            nonlocal accumulated
+        def grad_fn():
             with torch.enable_grad():  # once here, for every method's `local_step` (which runs without)
-                if isinstance(batch, dict):
-                    loss, grads = lm.loss_and_grads(batch)
-                else:
-                    if accumulated is None:
-                        accumulated = zeros_like({n: p.detach() for n, p in lm.lora.items()})
-                    loss, grads = accumulated_loss_and_grads(lm, batch, accumulated)
+                loss, grads = gradient()
             if not math.isfinite(loss):
                 raise _diverged("the loss", round_index, t, lr)
             if bad := _non_finite(grads):
                 raise _diverged(f"the gradient of {bad}", round_index, t, lr)
             if first_call[0]:  # the minibatch gradient at w_{k,t} (SAM's second call is not)
-                stats.add(grads if trained is None else {n: grads[n] for n in trained})
+                self.stats.add(grads if self.trained is None else {n: grads[n] for n in self.trained})
                 first_call[0] = False
             return loss, grads
 
-        ctx = StepContext(round=round_index, step=t, num_steps=len(batches), lr=lr, global_params=global_params,
-                          scratch=scratch)
-        if opt is not None:
-            ctx.optimizer = opt
-        loss = method.local_step(lm.lora, grad_fn, state, ctx)
-        if bad := _non_finite(lm.lora):
+        ctx = StepContext(round=round_index, step=t, num_steps=self.num_steps, lr=lr,
+                          global_params=self.global_params, scratch=self.scratch)
+        if self.opt is not None:
+            ctx.optimizer = self.opt
+        loss = self.method.local_step(self.live, grad_fn, self.state, ctx)
+        if bad := _non_finite(self.live):
             raise _diverged(f"the weights {bad}", round_index, t, lr)
-        losses.append(loss)
-        if on_step is not None:
-            on_step(t, loss)
-    local = {n: p.detach() for n, p in lm.lora.items()}
-    update_norm, model_norm = distance(local, global_params), distance(local)
-    method_metrics = method.round_metrics(global_params, lm.lora, state, scratch)
-    message = method.client_end(global_params, lm.lora, state, scratch)
-    scratch.clear()  # the round's end: its scratch goes (freed now, as the old `del state["m"]` did)
-    for group, params in message.items():
-        if bad := _non_finite(params):
-            raise _diverged(f"the update {group}/{bad}", round_index, len(batches) - 1, lr)
-    personalized = method.personalized(global_params, lm.lora, state)
-    sent = message.get("params")
-    if sent is not None and sent.keys() == personalized.keys() and all(
-            torch.equal(sent[n], p) for n, p in personalized.items()):
-        # the adapter sent is the personalized one (w_{k,T} for most methods): hold it once,
-        # 19.5 MB per client for SmolLM2 (aggregation only reads its messages: tested)
-        personalized = sent
-    gsnr_mean, gsnr_ratio = stats.summary()
-    return ClientRound(message, personalized, losses, gsnr_mean, gsnr_ratio, update_norm, model_norm, method_metrics)
+        self.losses.append(loss)
+        return loss
+
+    def finish(self) -> ClientRound:
+        """The round's end: the message, the personalized adapter, the round's measurements."""
+        method, state, global_params, live, scratch = self.method, self.state, self.global_params, self.live, self.scratch
+        local = {n: p.detach() for n, p in live.items()}
+        update_norm, model_norm = distance(local, global_params), distance(local)
+        method_metrics = method.round_metrics(global_params, live, state, scratch)
+        message = method.client_end(global_params, live, state, scratch)
+        scratch.clear()  # the round's end: its scratch goes (freed now, as the old `del state["m"]` did)
+        for group, params in message.items():
+            if bad := _non_finite(params):
+                raise _diverged(f"the update {group}/{bad}", self.round_index, self.num_steps - 1, self.lr)
+        personalized = method.personalized(global_params, live, state)
+        sent = message.get("params")
+        if sent is not None and sent.keys() == personalized.keys() and all(
+                torch.equal(sent[n], p) for n, p in personalized.items()):
+            # the adapter sent is the personalized one (w_{k,T} for most methods): hold it once,
+            # 19.5 MB per client for SmolLM2 (aggregation only reads its messages: tested)
+            personalized = sent
+        gsnr_mean, gsnr_ratio = self.stats.summary()
+        return ClientRound(message, personalized, self.losses, gsnr_mean, gsnr_ratio, update_norm, model_norm,
+                           method_metrics)
 
 
 # ---- a client, its round and its scores ------------------------------------------

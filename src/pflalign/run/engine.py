@@ -41,7 +41,7 @@ from ..model import build_model, resolve_device
 from ..partition import client_shares_described
 from .server import RoundRecord, Server
 from .workers import (ClientSide, Inline, Processes, ScoreJob, TrainJob, bound_workers, check_workers,
-                      personalized_adapter)
+                      personalized_adapter, run_train_jobs_lockstep)
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +58,12 @@ class Federation:
     processes of one thread each (`pflalign.run.workers`), with a one-thread run's results.
     """
 
-    def __init__(self, cfg: RunConfig, progress: bool = True, out: Path | str | None = None, workers: int = 1):
+    def __init__(self, cfg: RunConfig, progress: bool = True, out: Path | str | None = None, workers: int = 1,
+                 batch: str = "none"):
         check_workers(workers, resolve_device(cfg.device))
+        check_batch(batch, workers, cfg)
         self.cfg = cfg
+        self.batch = batch
         self.progress = progress
         self._runner: Inline | Processes | None = None
         shares, self.data_info = client_shares_described(cfg)
@@ -159,8 +162,11 @@ class Federation:
         costs = [float(sum(int(b["attention_mask"].sum()) for step in job.batches  # tokens
                            for b in ([step] if isinstance(step, dict) else step))) for job in jobs]
         results = []
-        done_jobs = self.runner.map(jobs, {"global": self.global_params, "received": received}, costs,
-                                    on_step=lambda i, t, loss: bar.update(1))
+        shared = {"global": self.global_params, "received": received}
+        if self.batch == "clients":  # every client's step t in one pass (run/lockstep.py)
+            done_jobs = run_train_jobs_lockstep(self.side, jobs, shared, on_step=lambda i, t, loss: bar.update(1))
+        else:
+            done_jobs = self.runner.map(jobs, shared, costs, on_step=lambda i, t, loss: bar.update(1))
         for i, (k, done) in enumerate(zip(chosen, done_jobs)):
             done.record.steps_taken = steps_after[i]
             self.store.records[k] = done.record
@@ -292,6 +298,21 @@ class Federation:
         return _Adapters(self)
 
 
+BATCH_MODES = ("none", "clients")
+
+
+def check_batch(batch: str, workers: int, cfg: RunConfig) -> None:
+    """Refuse a `batch` mode that is not one, or that cannot run with these settings."""
+    if batch not in BATCH_MODES:
+        raise UserError(f"--batch must be one of {', '.join(BATCH_MODES)}, got {batch!r}")
+    if batch == "clients" and workers > 1:
+        raise UserError(f"--batch clients trains a round's clients together in one process; use --workers 1 "
+                        f"(got {workers})")
+    if batch == "clients" and cfg.optimizer.grad_accumulation > 1:
+        raise UserError("--batch clients does not take gradient accumulation yet "
+                        f"(optimizer.grad_accumulation={cfg.optimizer.grad_accumulation}); run without --batch clients")
+
+
 class _Adapters(Mapping):
     """The run's adapters for `export.write_run_adapters`, read one at a time from the clients'
     files (a dict of all of them would hold every client's adapter at once)."""
@@ -313,14 +334,15 @@ class _Adapters(Mapping):
 @run_dir.guarded  # --out checked and locked, --overwrite restores the old run on failure
 def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
         stop_after: int | None = None, progress: bool = True, workers: int = 1,
-        allow_recipe_change: bool = False) -> dict | None:
+        allow_recipe_change: bool = False, batch: str = "none") -> dict | None:
     """Run (or resume) one federated job into `out`; returns results, or None when stopped early.
     `workers` > 1: clients train and are scored in that many one-thread processes (`pflalign.run.workers`).
+    `batch` "clients": a round's clients train in lockstep, step t of all in one pass (`pflalign.run.lockstep`).
     `allow_recipe_change`: resume though config.json's training recipe is not the checkpoint's
     (`Recorder.config`)."""
     rec = Recorder(out, resume, overwrite, allow_recipe_change)
     cfg = rec.config(cfg)
-    fed = Federation(cfg, progress=progress, out=rec.out, workers=workers)
+    fed = Federation(cfg, progress=progress, out=rec.out, workers=workers, batch=batch)
     start = fed.restore(rec.checkpoint) if rec.resuming else 0
     rec.open(cfg)
     rec.metrics = tensorboard.wrap(rec.metrics, cfg, rec.out, {c.id: c.name for c in fed.clients})  # log.tensorboard
@@ -355,9 +377,10 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
                                 "then continue with --resume (same --out)") from None
         # memory_allocator: "mimalloc" under the pflalign command (run/allocator.py); the processes and
         # threads that computed it (the thread count decides the floating-point sums' last bits)
+        how = {"batch": batch} if batch != "none" else {}  # how it was computed: results equal to rounding
         return rec.finish(results, train_seconds, time.perf_counter() - tic, predictions,
                           memory_allocator=allocator.active(), workers=fed.workers,
-                          threads_per_worker=fed.runner.threads())
+                          threads_per_worker=fed.runner.threads(), **how)
     except KeyboardInterrupt:
         raise _interrupted(rec, cfg, fed.in_round) from None
     except TrainingDiverged as exc:

@@ -45,6 +45,7 @@ import torch
 from . import allocator
 from .client import ClientRound, client_lr, local_round, score_client
 from .client_store import ClientRecord, ClientStore
+from .lockstep import lockstep_round
 from ..data import Example
 from ..errors import OutOfMemory, TrainingDiverged, UserError
 from ..methods.base import Method, Params
@@ -132,6 +133,36 @@ def run_train_job(side: ClientSide, job: TrainJob, shared: dict,
     result.personalized = None  # in its file now
     allocator.release_free_memory()  # the client's activations: not kept past it
     return TrainDone(job.k, result, side.store.records[job.k], time.perf_counter() - tic)
+
+
+def run_train_jobs_lockstep(side: ClientSide, jobs: list[TrainJob], shared: dict,
+                            on_step: Callable[[int, int, float], None] | None = None) -> list[TrainDone]:
+    """The clients of `jobs` (one round's) trained in lockstep (`lockstep.lockstep_round`): each
+    one's state from its file, its new state and personalized adapter into its next file, as
+    `run_train_job` does for one. Each client's seconds: the lockstep's share, total / clients."""
+    tic = time.perf_counter()
+    states = []
+    for job in jobs:
+        side.store.records[job.k] = job.record
+        loaded = side.store.load(job.k, side.lm.device)
+        states.append(loaded[0] if loaded is not None else side.method.init_client_state(side.initial_params))
+    r = jobs[0].round
+    try:
+        results = lockstep_round(side.lm, side.method, states, shared["global"], shared["received"],
+                                 [job.batches for job in jobs], client_lr(side.cfg, r), r,
+                                 [f"{job.k} ({job.record.name})" for job in jobs], on_step, side.cfg.optimizer)
+    except (torch.OutOfMemoryError, MemoryError):
+        raise OutOfMemory(f"out of memory training {len(jobs)} clients in lockstep (--batch clients) with "
+                          f"batch_size={side.cfg.batch_size}, max_seq_len={side.cfg.max_seq_len}, model "
+                          f"{side.cfg.model}: run without --batch clients, or lower batch_size or max_seq_len") from None
+    done = []
+    seconds = (time.perf_counter() - tic) / len(jobs)
+    for job, state, result in zip(jobs, states, results):
+        side.store.save(job.k, job.round + 1, state, result.personalized)
+        result.personalized = None  # in its file now
+        done.append(TrainDone(job.k, result, side.store.records[job.k], seconds))
+    allocator.release_free_memory()
+    return done
 
 
 def run_score_job(side: ClientSide, job: ScoreJob, shared: dict, progress: bool = False) -> ScoreDone:

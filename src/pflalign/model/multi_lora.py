@@ -1,0 +1,128 @@
+"""Several clients' LoRA adapters over the one frozen base, in one forward and backward.
+
+In a federated round every client trains the same frozen base with its own adapter, so K
+clients' minibatches can share one pass through the base: the rows of their batches are
+concatenated, the base's matrix products run once over all of them, and each LoRA projection
+adds, to each client's tokens, the low-rank update of that client's adapter only (multi-LoRA
+training, m-LoRA; multi-LoRA serving, S-LoRA / punica: the adapters are never merged).
+
+`Routing` says which tokens are whose: runs of (adapter index, token count) over the call's
+tokens in their flattened order (rows of a packed batch, or whole padded rows). While a routing
+is set (`routed`), every PEFT LoRA linear of the model computes
+
+    y = W x + s · B_j A_j x   for the tokens x of adapter j,
+
+one pair of small matrix products per run, with PEFT's own operation order
+(``lora_B(lora_A(x)) * scaling``). The adapters are the clients' own tensors (leaves that
+require gradients), so a backward leaves each client's gradient in its own tensors' ``.grad``:
+with a loss that is the sum of the clients' own mean losses, exactly its own gradient, as if it
+had run alone (up to the rounding of sums taken in another order; tested).
+
+The fused SwiGLU MLP (lora_mlp.py) serves one adapter: under a routing it runs the unfused
+module, whose three LoRA projections route as above (on CPU a shared pass is therefore slower
+per token than one client's fused one: benchmarks/batched.py). Nothing changes while no routing is set:
+the layers are switched the first time a model is routed (`install`), and their forward then
+calls PEFT's own unless a routing is active.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..params import Params
+
+
+@dataclass
+class Routing:
+    """Whose tokens are which in one call: `runs` of (j, n), in the call's flattened token order,
+    say that the next n tokens take adapter `adapters[j]` (its tensors by the model's LoRA names)."""
+
+    adapters: list[Params]
+    runs: list[tuple[int, int]]
+
+
+class _Slot:
+    """The routing now in force for one model's layers (None: every layer runs as PEFT's)."""
+
+    def __init__(self):
+        self.routing: Routing | None = None
+
+
+def _lora_linears(model):
+    from peft.tuners.lora import Linear as LoraLinear
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLinear)]
+
+
+def install(model, names: set[str]) -> _Slot:
+    """Switch `model`'s PEFT LoRA linears to routed forwards (once; later calls return the same
+    slot). `names`: the adapter's tensor names, each layer's A and B among them (checked)."""
+    slot = getattr(model, "_pflalign_routing_slot", None)
+    if slot is not None:
+        return slot
+    slot = _Slot()
+    for name, layer in _lora_linears(model):
+        a_name, b_name = f"{name}.lora_A.default.weight", f"{name}.lora_B.default.weight"
+        if a_name not in names or b_name not in names:
+            raise ValueError(f"LoRA layer {name} has no 'default' adapter tensors among the model's adapter")
+        layer._pflalign_slot = slot
+        layer._pflalign_names = (a_name, b_name)
+        layer._pflalign_unrouted_forward = layer.forward
+        layer.forward = types.MethodType(_routed_forward, layer)
+    model._pflalign_routing_slot = slot
+    return slot
+
+
+def is_routed(layer) -> bool:
+    """Whether `layer` (a PEFT LoRA linear) computes under a routing now."""
+    slot = getattr(layer, "_pflalign_slot", None)
+    return slot is not None and slot.routing is not None
+
+
+@contextlib.contextmanager
+def routed(slot: _Slot, routing: Routing):
+    """Inside: the layers of `slot`'s model add each run's own adapter (module docstring)."""
+    if slot.routing is not None:
+        raise RuntimeError("a routing is already in force")
+    slot.routing = routing
+    try:
+        yield
+    finally:
+        slot.routing = None
+
+
+def _routed_forward(layer, x, *args, **kwargs):
+    routing = layer._pflalign_slot.routing
+    if routing is None:
+        return layer._pflalign_unrouted_forward(x, *args, **kwargs)
+    if layer.merged or layer.disable_adapters or layer.lora_variant or list(layer.active_adapters) != ["default"]:
+        raise RuntimeError("a routed forward needs the plain 'default' LoRA adapter (not merged, not disabled)")
+    result = layer.get_base_layer()(x, *args, **kwargs)
+    a_name, b_name = layer._pflalign_names
+    dropped = layer.lora_dropout["default"](x)
+    flat = dropped.reshape(-1, x.shape[-1])
+    sizes = [n for _, n in routing.runs]
+    if sum(sizes) != flat.shape[0]:
+        raise ValueError(f"routing covers {sum(sizes)} tokens, the call has {flat.shape[0]}")
+    parts = []
+    for (j, _), tokens in zip(routing.runs, flat.split(sizes)):
+        a, b = routing.adapters[j][a_name], routing.adapters[j][b_name]
+        parts.append(F.linear(F.linear(tokens.to(a.dtype), a), b))  # PEFT's lora_B(lora_A(x))
+    delta = torch.cat(parts) * layer.scaling["default"]
+    return result + delta.view(*result.shape[:-1], delta.shape[-1]).to(result.dtype)
+
+
+def runs_of(owners: list[int], sizes: list[int]) -> list[tuple[int, int]]:
+    """Consecutive pieces (owner, size) merged where the owner repeats."""
+    runs: list[tuple[int, int]] = []
+    for j, n in zip(owners, sizes):
+        if runs and runs[-1][0] == j:
+            runs[-1] = (j, runs[-1][1] + n)
+        else:
+            runs.append((j, n))
+    return runs

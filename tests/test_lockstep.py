@@ -1,0 +1,233 @@
+"""Clients in lockstep (`--batch clients`): several adapters over one base in one pass
+(model/multi_lora.py), each client's loss and gradient its own, and every method's run equal
+to the one-client-at-a-time run within 1e-5 relative (every step's loss, every adapter)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pflalign import checkpoint as ckpt
+from pflalign.config import build_config, make_method
+from pflalign.errors import UserError
+from pflalign.methods import METHODS
+from pflalign.model import FederatedLM, LoraSettings
+from pflalign.prompts import IGNORE
+from pflalign.run.client import local_round
+from pflalign.run.client_store import client_records
+from pflalign.run.engine import run
+from pflalign.run.lockstep import lockstep_round, own_adapter
+
+from test_engine import TINY
+
+TOL = 1e-5
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> bool:
+    """‖a − b‖ ≤ tol · ‖b‖ (a tensor of zeros: equal)."""
+    return float((a.double() - b.double()).norm()) <= tol * float(b.double().norm())
+
+
+def assert_close_params(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    bad = [n for n in a if not close(a[n], b[n])]
+    assert not bad, f"{what}: {len(bad)} tensors differ, e.g. {bad[0]}"
+
+
+def assert_close_state(a: dict, b: dict, what: str) -> None:
+    """A method state's group (SCAFFOLD's c, pFLAlign's v ...) within TOL over all its tensors
+    together. Per tensor would be too strict for state made of differences of near-equal
+    weights: SCAFFOLD's c = (w^r − w_T) / (Tη) for a LoRA A that barely moves (B starts at 0)
+    keeps float32's rounding of w over a tiny difference (2e-5 relative there, with every
+    adapter within 2e-7)."""
+    assert a.keys() == b.keys(), what
+    diff = sum(float((a[n].double() - b[n].double()).norm()) ** 2 for n in a) ** 0.5
+    norm = sum(float(b[n].double().norm()) ** 2 for n in b) ** 0.5
+    assert diff <= TOL * norm, f"{what}: {diff:.3g} apart, norm {norm:.3g}"
+
+
+def batch(lm, lengths: list[int], seed: int) -> dict:
+    """A right-padded minibatch of random tokens, the second half of each example the response."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, 200, (len(lengths), width), generator=g)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    labels = torch.full((len(lengths), width), IGNORE)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+        labels[i, n // 2:n] = ids[i, n // 2:n]
+    ids[mask == 0] = lm.tokenizer.pad_token_id
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def adapters_apart(lm, count: int) -> list[dict]:
+    """`count` client adapters, each the model's moved by its own noise (B ≠ 0: every branch counts)."""
+    out = []
+    g = torch.Generator().manual_seed(7)
+    for _ in range(count):
+        live = own_adapter(lm.lora)
+        with torch.no_grad():
+            for t in live.values():
+                t.add_(torch.randn(t.shape, generator=g) * 0.05)
+        out.append(live)
+    return out
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_opt"])
+@pytest.mark.parametrize("unpadded", [True, False], ids=["packed-rows", "padded"])
+def test_one_pass_gives_each_client_its_own_loss_and_gradient(request, family, unpadded):
+    """Three clients of unequal lengths and batch sizes in one pass (packed rows of 128 tokens: a
+    row holds several clients' examples, a client spans rows, one example is longer than a row),
+    against each client alone through `loss_and_grads`."""
+    lm = request.getfixturevalue(family)
+    batches = [batch(lm, [30, 50], 1), batch(lm, [200, 17, 90], 2), batch(lm, [64, 64], 3)]
+    adapters = adapters_apart(lm, 3)
+    saved = lm.get_lora()
+    try:
+        losses = lm.routed_loss_and_grads(batches, adapters, unpadded=unpadded, pack_tokens=128)
+        for j, (b, adapter) in enumerate(zip(batches, adapters)):
+            lm.set_lora(adapter)
+            loss, grads = lm.loss_and_grads(b, unpadded=unpadded, pack_tokens=128)
+            assert losses[j] == pytest.approx(loss, rel=TOL), j
+            assert_close_params({n: p.grad for n, p in adapter.items()}, grads, f"client {j}'s gradient")
+            assert float(grads[next(n for n in grads if "lora_B" in n)].norm()) > 0  # a gradient to compare
+    finally:
+        lm.set_lora(saved)
+
+
+def test_a_client_in_the_pass_changes_no_other_clients_gradient(tiny_llama):
+    """Client 1's gradient is the same whether client 0 shares its pass or not: no cross-talk
+    between the rows of one pass (the test that would fail if an adapter leaked into another
+    client's tokens)."""
+    lm = tiny_llama
+    batches = [batch(lm, [40, 80], 4), batch(lm, [60, 30], 5)]
+    adapters = adapters_apart(lm, 2)
+    lm.routed_loss_and_grads(batches, adapters, pack_tokens=512)  # one row holds both clients
+    shared = {n: p.grad.clone() for n, p in adapters[1].items()}
+    lm.routed_loss_and_grads(batches[1:], adapters[1:], pack_tokens=512)
+    assert_close_params({n: p.grad for n, p in adapters[1].items()}, shared, "client 1's gradient")
+    with torch.no_grad():  # and a changed client 0 changes nothing of client 1's
+        for t in adapters[0].values():
+            t.mul_(3.0)
+    lm.routed_loss_and_grads(batches, adapters, pack_tokens=512)
+    assert_close_params({n: p.grad for n, p in adapters[1].items()}, shared, "client 1's gradient")
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedsam", "pflalign"])
+def test_clients_with_fewer_steps_drop_out_of_the_pass(tiny_llama, method):
+    """Clients of 3, 1 and 2 local steps in lockstep, against each one's `local_round` alone: the
+    same losses and adapters (FedSAM's second gradient, taken for one client alone, too)."""
+    lm = tiny_llama
+    rule = METHODS[method]()
+    w0 = lm.get_lora()
+    steps = [[batch(lm, [40, 70], 10 + t) for t in range(3)], [batch(lm, [90], 20)],
+             [batch(lm, [20, 30, 25], 30 + t) for t in range(2)]]
+    received = rule.broadcast(w0, rule.init_server_state(w0))
+    states = [rule.init_client_state(w0) for _ in steps]
+    together = lockstep_round(lm, rule, states, w0, received, steps, 0.5, 0, ["a", "b", "c"])
+    for k, batches in enumerate(steps):
+        alone_state = rule.init_client_state(w0)
+        alone = local_round(lm, rule, alone_state, w0, received, batches, 0.5, 0)
+        assert together[k].losses == pytest.approx(alone.losses, rel=TOL)
+        assert_close_params(together[k].personalized, alone.personalized, f"client {k}")
+        for group in alone_state:
+            assert_close_state(states[k][group], alone_state[group], f"client {k}'s state {group}")
+    lm.set_lora(w0)
+
+
+def train_steps(out) -> list[tuple]:
+    rows = [json.loads(line) for line in (out / ckpt.METRICS).read_text().splitlines()]
+    return [(r["round"], r["client"], r["step"], r["loss"]) for r in rows if r["event"] == "train_step"]
+
+
+def assert_runs_close(a, b) -> None:
+    """Every train-step loss and every adapter (global, each client's personalized one) of run `b`
+    within TOL of run `a`'s, tensor by tensor; the server's and clients' method states by group."""
+    steps_a, steps_b = train_steps(a), train_steps(b)
+    assert [s[:3] for s in steps_b] == [s[:3] for s in steps_a]
+    for (r, k, t, la), (_, _, _, lb) in zip(steps_a, steps_b):
+        assert lb == pytest.approx(la, rel=TOL), f"round {r} client {k} step {t}"
+    saved_a, saved_b = ckpt.load_checkpoint(a / ckpt.CHECKPOINT), ckpt.load_checkpoint(b / ckpt.CHECKPOINT)
+    assert_close_params(saved_b["global"], saved_a["global"], "global adapter")
+    for group in saved_a["server_state"]:
+        assert_close_state(saved_b["server_state"][group], saved_a["server_state"][group], f"server {group}")
+    method = make_method(build_config(None, json.loads((a / ckpt.CONFIG).read_text())))
+    fresh = lambda: method.init_client_state(saved_a["global"])  # noqa: E731
+    for ca, cb in zip(client_records(a, saved_a, fresh), client_records(b, saved_b, fresh)):
+        assert (ca["personalized"] is None) == (cb["personalized"] is None)
+        if ca["personalized"] is not None:
+            assert_close_params(cb["personalized"], ca["personalized"], f"{ca['name']} personalized")
+        for group in ca["state"]:
+            assert_close_state(cb["state"][group], ca["state"][group], f"{ca['name']} state {group}")
+        assert ca["steps_taken"] == cb["steps_taken"]
+
+
+def tiny(method: str, **over):
+    return build_config(None, {**json.loads(json.dumps(TINY)), "method": method, **over})
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_in_lockstep_equals_one_client_at_a_time(tmp_path, method):
+    """The pinned tiny run of every method (test_pinned_results.py), with --batch clients."""
+    run(tiny(method), tmp_path / "one", progress=False)
+    results = run(tiny(method), tmp_path / "lockstep", progress=False, batch="clients")
+    assert results["batch"] == "clients"
+    assert_runs_close(tmp_path / "one", tmp_path / "lockstep")
+
+
+def test_sampled_clients_of_unequal_sizes_in_lockstep(tmp_path):
+    """Partial participation (a round's sample), three clients of unequal data sizes, SCAFFOLD's
+    control variates: equal to the sequential run."""
+    over = {"participation": 0.67, "rounds": 3,
+            "data": {**TINY["data"], "clients": ["arithmetic", "sorting", "key_value"], "max_train": None}}
+    cfg = tiny("scaffold", **over)
+    run(cfg, tmp_path / "one", progress=False)
+    run(cfg, tmp_path / "lockstep", progress=False, batch="clients")
+    assert_runs_close(tmp_path / "one", tmp_path / "lockstep")
+
+
+@pytest.mark.parametrize("args, why", [
+    ({"batch": "rows"}, "--batch must be one of none, clients"),
+    ({"batch": "clients", "workers": 2}, "use --workers 1"),
+])
+def test_lockstep_refusals(tmp_path, args, why):
+    with pytest.raises(UserError, match=why):
+        run(tiny("fedavg"), tmp_path / "x", progress=False, **args)
+    assert not (tmp_path / "x" / ckpt.RESULTS).exists()
+
+
+def test_gradient_accumulation_refused_in_one_line(tmp_path):
+    cfg = tiny("fedavg", optimizer={"grad_accumulation": 2}, batch_size=1)
+    with pytest.raises(UserError, match="gradient accumulation") as info:
+        run(cfg, tmp_path / "x", progress=False, batch="clients")
+    assert "\n" not in str(info.value)
+
+
+def test_refused_on_the_command_line_with_status_2(tmp_path, capsys):
+    from pflalign.cli import main
+
+    code = main(["run", "--out", str(tmp_path / "x"), "--batch", "clients", "--workers", "2",
+                 "--set", "model=tiny-llama", "--set", "data.max_train=12", "--set", "rounds=1"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--workers 1" in err[0]
+
+
+def test_divergence_names_the_client_and_keeps_the_last_checkpoint(tmp_path):
+    """A run that diverges in lockstep says which client, round and step, as the sequential engine
+    does (test_engine.py), and leaves the folder as after the last good round."""
+    from pflalign.errors import TrainingDiverged
+
+    out = tmp_path / "run"
+    run(tiny("fedavg", rounds=3), out, stop_after=1, progress=False, batch="clients")
+    before = (out / ckpt.CHECKPOINT).read_bytes(), (out / ckpt.METRICS).read_bytes()
+    cfg = json.loads((out / ckpt.CONFIG).read_text())
+    cfg["lr"] = 1e30
+    (out / ckpt.CONFIG).write_text(json.dumps(cfg))
+    with pytest.raises(TrainingDiverged, match=r"client 0 \(arithmetic\).*round 2, local step \d.*lower learning rate; "
+                                               r"the checkpoint after round 1 is kept$"):
+        run(None, out, resume=True, progress=False, batch="clients")
+    assert ((out / ckpt.CHECKPOINT).read_bytes(), (out / ckpt.METRICS).read_bytes()) == before
+    assert not (out / ckpt.RESULTS).exists()
