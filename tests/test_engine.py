@@ -181,13 +181,13 @@ def test_divergence_names_client_round_step_and_keeps_last_checkpoint(tmp_path):
     out = tmp_path / "run"
     run(tiny_config(method="fedavg", rounds=3), out, stop_after=1, progress=False)
     before = (out / ckpt.CHECKPOINT).read_bytes(), (out / ckpt.METRICS).read_bytes()
-    # an absurd learning rate, resumed from the good round-1 checkpoint
+    # an absurd learning rate, resumed from the good round-1 checkpoint (a recipe change, allowed)
     cfg = json.loads((out / ckpt.CONFIG).read_text())
     cfg["lr"] = 1e30
     (out / ckpt.CONFIG).write_text(json.dumps(cfg))
     with pytest.raises(TrainingDiverged, match=r"client 0 \(arithmetic\).*round 2, local step \d.*lower learning rate; "
                                                r"the checkpoint after round 1 is kept$"):
-        run(None, out, resume=True, progress=False)
+        run(None, out, resume=True, progress=False, allow_recipe_change=True)
     assert ((out / ckpt.CHECKPOINT).read_bytes(), (out / ckpt.METRICS).read_bytes()) == before  # as after round 1
     assert not (out / ckpt.RESULTS).exists()
 

@@ -228,6 +228,6 @@ def test_divergence_names_the_client_and_keeps_the_last_checkpoint(tmp_path):
     (out / ckpt.CONFIG).write_text(json.dumps(cfg))
     with pytest.raises(TrainingDiverged, match=r"client 0 \(arithmetic\).*round 2, local step \d.*lower learning rate; "
                                                r"the checkpoint after round 1 is kept$"):
-        run(None, out, resume=True, progress=False, batch="clients")
+        run(None, out, resume=True, progress=False, batch="clients", allow_recipe_change=True)
     assert ((out / ckpt.CHECKPOINT).read_bytes(), (out / ckpt.METRICS).read_bytes()) == before
     assert not (out / ckpt.RESULTS).exists()
