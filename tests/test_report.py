@@ -409,19 +409,22 @@ def _steps(losses):
             for t, loss in enumerate(steps)]
 
 
-def test_a_clients_blow_up_is_measured_from_its_own_first_step_by_hand():
+def test_a_clients_blow_up_is_measured_from_its_own_early_level_by_hand():
     from pflalign.run_stats import ClientBlowup, client_blowups
 
     rows = _steps({
-        0: [[1.0, 0.8], [0.9], [0.5]],  # holds
-        1: [[2.0, 3.0], [3.0, 7.0], [1.5]],  # start 2.0: round 2's mean 5.0 passes 4.0, then back down
-        2: [None, [0.5, 1.5], [2.5]],  # first trains in round 2: its start 0.5, round 3's 2.5 passes 1.0
+        0: [[1.0, 0.8], [0.9], [0.5]],  # early level 0.9 (the median of its first round); holds
+        1: [[2.0, 3.0, 1.0], [3.0, 15.0], [1.5]],  # early 2.0: round 2's mean 9.0 passes 8.0, then back down
+        2: [None, [0.5, 1.5], [4.5]],  # first trains in round 2: early 1.0, round 3's 4.5 passes 4.0
         3: [[1.0, 1.0], [float("nan")], [1.0]],  # a non-finite loss is above any line
-        4: [[float("inf"), 1.0], [9.0]],  # no finite first step: no start, not judged
-        5: [[1.0], [2.0]],  # exactly 2 × is not past it
+        4: [[float("inf"), float("inf"), 1.0], [9.0]],  # a first round mostly non-finite: no level, not judged
+        5: [[1.0], [4.0]],  # exactly 4 × is not past it
+        6: [[0.5, 1.0, 1.5, 40.0, 60.0], [1.0]],  # blows up within its first round: early 1.5, that round's mean 20.6
+        7: [[0.832, 1.5, 1.2, 1.4, 1.6], [1.79, 1.79]],  # batch noise: 2.2 × a lucky first step, 1.3 × its level
     })
-    assert client_blowups(rows) == [ClientBlowup(1, 2.0, 2, 5.0, 2, 1.5), ClientBlowup(2, 0.5, 3, 2.5, 3, 2.5),
-                                    ClientBlowup(3, 1.0, 2, math.inf, 2, 1.0)]
+    assert client_blowups(rows) == [ClientBlowup(1, 2.0, 2, 9.0, 2, 1.5), ClientBlowup(2, 1.0, 3, 4.5, 3, 4.5),
+                                    ClientBlowup(3, 1.0, 2, math.inf, 2, 1.0),
+                                    ClientBlowup(6, 1.5, 1, pytest.approx(20.6), 1, 1.0)]
     assert client_blowups(_steps({0: [[1.0], [0.5]]})) == []
 
 
@@ -433,16 +436,19 @@ def test_a_client_that_blew_up_in_a_run_that_held_is_marked_in_the_table(sweep_d
     path = root / "synthetic" / "fedavg" / "seed1" / ckpt.METRICS
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     tasks = {c["id"]: c["task"] for c in json.loads((path.parent / ckpt.RESULTS).read_text())["clients"]}
-    first = next(m for m in lines if m["event"] == "train_step" and m["client"] == 1)
-    # client 1's steps in round 2 at 30 × its first step; the rounds' lines (the run's test) are left as they were
+    from pflalign.run_stats import early_level
+
+    level = early_level([m["loss"] for m in lines if m["event"] == "train_step" and m["client"] == 1
+                         and m["round"] == 0])
+    # client 1's steps in round 2 at 30 × its early level; the rounds' lines (the run's test) are left as they were
     for m in lines:
         if m["event"] == "train_step" and m["client"] == 1 and m["round"] == 1:
-            m["loss"] = 30 * first["loss"]
+            m["loss"] = 30 * level
     ckpt.write_jsonl(path, lines)
     assert main(["report", str(root), "--out", str(tmp_path / "r")]) == 0
     table = (tmp_path / "r" / "synthetic" / "table.md").read_text()
     assert "| FedAvg ‡ |" in table and "- FedAvg seed 1: mean training loss" not in table
-    assert f"- FedAvg seed 1: {tasks[1]} {first['loss']:.3g} at its first step, {30 * first['loss']:.4g} in round 2 " \
+    assert f"- FedAvg seed 1: {tasks[1]} {level:.3g} early (its first round's median), {30 * level:.4g} in round 2 " \
            f"(30 ×)" in table
     assert [(r["diverged_seeds"], r["client_blowup_seeds"])
             for r in csv.DictReader(open(tmp_path / "r" / "synthetic" / "table.csv"))] == [("", "1")]
@@ -703,3 +709,39 @@ def test_committed_copies_with_gzipped_json_lines_read_as_the_run_folders(sweep_
     metrics_gz.write_bytes(gzip.compress(whole)[:-30])  # the end of the stream lost
     rows = list(ckpt.metrics_rows(metrics_gz.parent / ckpt.METRICS))
     assert 0 < len(rows) <= len(plain.metrics) and rows == plain.metrics[:len(rows)]
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+
+def _metrics(path: Path) -> list[dict]:
+    import gzip
+
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_the_blow_up_test_on_real_runs_noisy_healthy_and_blown():
+    """Real losses. Blown: Table 1's FedSAM seeds 1 and 2 on FLAN (every client, 14–119 × its early level);
+    held: Table 1's FedAvg seeds. Noisy but healthy: a 3-round run on a user's CSV (6 Dirichlet clients
+    of Dolly rows, batch 4, pFLAlign at β 0.9 and lr 0.04: it barely moved; tests/data/noisy_run_steps.jsonl),
+    where the round means pass 2 × a client's lucky first step, the old line, and stay far below
+    CLIENT_BLOWUP_RATIO × its early level."""
+    from pflalign.run_stats import CLIENT_BLOWUP_RATIO, client_blowups, client_starts
+
+    runs = RESULTS / "table1-flan" / "runs" / "flan"
+    for seed in (1, 2):
+        assert [b.client for b in client_blowups(_metrics(runs / "fedsam" / f"seed{seed}" / "metrics.jsonl.gz"))] \
+            == [0, 1, 2, 3]
+    for seed in (0, 1, 2):
+        assert client_blowups(_metrics(runs / "fedavg" / f"seed{seed}" / "metrics.jsonl.gz")) == []
+    noisy = [json.loads(line) for line in (Path(__file__).with_name("data") / "noisy_run_steps.jsonl").open()]
+    assert client_blowups(noisy) == []
+    first_steps = {m["client"]: m["loss"] for m in noisy if m["round"] == 0 and m["step"] == 0}
+    means = {}
+    for m in noisy:
+        means.setdefault((m["client"], m["round"]), []).append(m["loss"])
+    worst = max(sum(v) / len(v) / first_steps[c] for (c, _), v in means.items())
+    assert worst > 2  # what the first-step line called a blow-up
+    levels = client_starts(noisy)
+    assert max(sum(v) / len(v) / levels[c] for (c, _), v in means.items()) < CLIENT_BLOWUP_RATIO / 2

@@ -52,7 +52,7 @@ def cmd_run(args) -> int:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     if args.resume and (args.set or args.data_dir or args.method):
         raise UserError("--resume continues with the run's saved config; drop --set/--data-dir/--method")
-    cfg = None if args.resume else build_config(args.config, overrides)
+    cfg = None if args.resume else build_config(args.config, overrides, defaults="library")
     # the engine (torch, transformers: seconds, more under load) only once the config is checked
     from .run.engine import run
 

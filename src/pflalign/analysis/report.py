@@ -299,7 +299,7 @@ def client_blowup_notes(runs: list[Run]) -> list[str]:
             if found:
                 tasks = {c["id"]: c["task"] for c in r.results.get("clients", [])}
                 notes.append(f"{label(method)} seed {r.seed}: " + "; ".join(
-                    f"{tasks.get(b.client, f'client {b.client}')} {b.start:.3g} at its first step, "
+                    f"{tasks.get(b.client, f'client {b.client}')} {b.start:.3g} early (its first round's median), "
                     f"{b.peak:.4g} in round {b.peak_round} ({b.peak / b.start:.0f} ×), {b.last:.3g} in its last round"
                     for b in found))
     return notes

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .claims import claims_markdown
 from ..errors import UserError
+from ..run_stats import CLIENT_BLOWUP_RATIO
 from .figures import write_figures
 from ..data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
 from .report import (DIVERGED_LOSS_RATIO, MAX_TABLE_CLIENTS, METRICS, MIN_SEEDS_TO_JUDGE, REFERENCE, _seed_note,
@@ -81,8 +82,9 @@ def write_report(root: Path | str | list[Path | str], out: Path | str, client: s
                       + "".join(f"- {n}\n" for n in diverged))
         blowups = client_blowup_notes(mine)
         if blowups:
-            table += (f"\n‡ A client blew up: in some round its mean local-step loss passed {DIVERGED_LOSS_RATIO:g} × "
-                      "the loss of its first step, though the run did not end diverged (†); the run's mean loss hid "
+            table += (f"\n‡ A client blew up: in some round its mean local-step loss passed {CLIENT_BLOWUP_RATIO:g} × "
+                      "its early level (the median step loss of its first round), though the run did not end "
+                      "diverged (†); the run's mean loss hid "
                       "it, and that client's scores measure what was left after it.\n\n"
                       + "".join(f"- {n}\n" for n in blowups))
         (folder / "table.md").write_text(table)
