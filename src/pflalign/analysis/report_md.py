@@ -13,12 +13,19 @@ from ..errors import UserError
 from ..run_stats import CLIENT_BLOWUP_RATIO
 from .figures import write_figures
 from ..data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
-from .report import (DIVERGED_LOSS_RATIO, MAX_TABLE_CLIENTS, METRICS, MIN_SEEDS_TO_JUDGE, REFERENCE, _seed_note,
+from .report import (DIVERGED_LOSS_RATIO, MARK_SEEDS, MAX_TABLE_CLIENTS, METRICS, MIN_SEEDS_TO_JUDGE, REFERENCE, _seed_note,
                      answers_markdown, paper_federation,
                      client_gsnr_markdown, cost_markdown, distribution_markdown, divergence_notes,
-                     client_blowup_notes,
+                     client_blowup_notes, marked,
                      dynamics_markdown, figure_client, find_runs, label, method_order, paired_differences,
                      paired_markdown, summarize, sweeps, sweeps_markdown, table_markdown, with_exact_match, write_table_csv)
+
+
+def _marks_note(rows) -> str:
+    if marked(rows):
+        return f"Best per column **bold**, second <u>underlined</u>, among the rows of {MARK_SEEDS} seeds or more. "
+    return (f"No best/second marks: fewer than two rows have {MARK_SEEDS} seeds or more, and one run's order "
+            "against another is what a rerun can change. ")
 
 
 def write_report(root: Path | str | list[Path | str], out: Path | str, client: str | None = None,
@@ -91,7 +98,9 @@ def write_report(root: Path | str | list[Path | str], out: Path | str, client: s
         write_table_csv(folder / "table.csv", tasks, rows)
         lines += [f"## {dataset}", "",
                   f"Personalized {metric_name} ×100, {_seed_note(rows)}; Avg ± 95% CI half-width (Student's t over "
-                  f"seeds). Best per column **bold**, second <u>underlined</u>. "
+                  f"seeds). {_marks_note(rows)}"
+                  + ("Base: the untrained base model's Avg on the same test sets. "
+                     if any(row.base_avg is not None for row in rows) else "") +
                   f"[table.md]({dataset}/table.md) · [table.csv]({dataset}/table.csv)"
                   + (f" (per-client columns for all {len(tasks)} clients in table.csv)" if many else ""), "", table]
         found = sweeps(rows)

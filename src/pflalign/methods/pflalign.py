@@ -138,7 +138,7 @@ def step_ratio_cap(beta: float, num_steps: int, eps: float = 1e-12, rounds: int 
     """How far P lets pFLAlign step, for a gradient g that never changes: (P on a round's last step,
     its cap; the mean of P over a round's steps, the round's ‖P⊙g‖/‖g‖), in P's steady cycle. A
     scalar run of Algorithm 1's m, v and P with g = 1 (m restarts every round, v and P do not):
-    β 0.5, 0.8, 0.9 at T = 5 give caps 0.854, 0.287, 0.090 and means 0.679, 0.242, 0.081
+    β 0.5, 0.8, 0.9 at T = 5 give caps 0.854, 0.287, 0.089 and means 0.679, 0.242, 0.081
     (tests/test_pflalign.py checks them against the method itself). Real gradients vary, so a run's
     `step_ratio` is lower (FLAN at β 0.8: 0.07–0.16); the cap is the most its β allows."""
     v = P = 0.0
