@@ -96,9 +96,10 @@ def test_report_writes_table_1_and_figures(sweep_dir, tmp_path, capsys):
     assert all(len(c) == 4 for c in cells)
     assert [c[0] for c in cells] == ["FFA-LoRA", "FedAvg", "pFLAlign"]  # not the paper's data: no family headings
     rows = {c[0]: c[1:] for c in cells if not c[0].startswith("*")}
-    # arithmetic: pFLAlign 32 > FedAvg 15 > FFA-LoRA 5; sorting: FedAvg 45 = FFA-LoRA 45 > pFLAlign 21
+    # arithmetic: pFLAlign 32 > FedAvg 15 > FFA-LoRA 5; sorting: FedAvg 45 = FFA-LoRA 45 > pFLAlign 21; FFA-LoRA
+    # ran one seed: it takes no part in the marks
     assert rows["pFLAlign"][0] == "**32.00**" and rows["FedAvg"][0] == "<u>15.00</u>" and rows["FFA-LoRA"][0] == "5.00"
-    assert rows["FedAvg"][1] == "**45.00**" and rows["FFA-LoRA"][1] == "**45.00**" and rows["pFLAlign"][1] == "<u>21.00</u>"
+    assert rows["FedAvg"][1] == "**45.00**" and rows["FFA-LoRA"][1] == "45.00" and rows["pFLAlign"][1] == "<u>21.00</u>"
     # Avg: FFA-LoRA 25 (one seed: no ±), FedAvg 30 ± t·s/√2, pFLAlign 26.5 ± …
     fedavg_ci = ci95_half_width([25.0, 35.0])
     assert rows["FedAvg"][2] == f"**30.00 ± {fedavg_ci:.2f}**"
@@ -407,6 +408,22 @@ def _steps(losses):
     return [{"event": "train_step", "round": r, "client": k, "step": t, "loss": loss}
             for k, rounds in losses.items() for r, steps in enumerate(rounds) if steps is not None
             for t, loss in enumerate(steps)]
+
+
+def test_table_1_shows_the_base_model_and_marks_only_rows_of_two_seeds():
+    from pflalign.analysis.report import Row, marked, table_markdown
+
+    rows = [Row("fedavg", [0, 1], {"a": 50.0}, {"a": 1.0}, 50.0, 1.0, base_avg=14.06),
+            Row("pflalign", [0, 1], {"a": 14.3}, {"a": 1.0}, 14.3, 1.0, base_avg=14.06),
+            Row("local", [0], {"a": 60.0}, {"a": None}, 60.0, None)]
+    lines = table_markdown(["a"], rows, families=False).splitlines()
+    assert lines[0] == "| Method | a | Avg | Base |"
+    assert lines[2] == "| FedAvg | **50.00** | **50.00 ± 1.00** | 14.06 |"
+    assert lines[3] == "| pFLAlign | <u>14.30</u> | <u>14.30 ± 1.00</u> | 14.06 |"  # at the base model's level
+    assert lines[4] == f"| {label('local')} | 60.00 | 60.00 | – |"  # one seed: no mark, though the highest
+    one_seed = [Row(m, [0], {"a": v}, {"a": None}, v, None) for m, v in (("fedavg", 16.36), ("pflalign", 17.59))]
+    assert "**" not in table_markdown(["a"], one_seed, families=False) and not marked(one_seed)
+    assert table_markdown(["a"], one_seed, families=False).splitlines()[0] == "| Method | a | Avg |"  # no base scored
 
 
 def test_a_clients_blow_up_is_measured_from_its_own_early_level_by_hand():
@@ -724,7 +741,8 @@ def _metrics(path: Path) -> list[dict]:
 def test_the_blow_up_test_on_real_runs_noisy_healthy_and_blown():
     """Real losses. Blown: Table 1's FedSAM seeds 1 and 2 on FLAN (every client, 14–119 × its early level);
     held: Table 1's FedAvg seeds. Noisy but healthy: a 3-round run on a user's CSV (6 Dirichlet clients
-    of Dolly rows, batch 4, pFLAlign at β 0.9 and lr 0.04: it barely moved; tests/data/noisy_run_steps.jsonl),
+    of Dolly rows, batch 4, pFLAlign at β 0.9 and lr 0.04: it barely moved; its train_step lines in
+    tests/noisy_run_steps.jsonl),
     where the round means pass 2 × a client's lucky first step, the old line, and stay far below
     CLIENT_BLOWUP_RATIO × its early level."""
     from pflalign.run_stats import CLIENT_BLOWUP_RATIO, client_blowups, client_starts
@@ -735,7 +753,7 @@ def test_the_blow_up_test_on_real_runs_noisy_healthy_and_blown():
             == [0, 1, 2, 3]
     for seed in (0, 1, 2):
         assert client_blowups(_metrics(runs / "fedavg" / f"seed{seed}" / "metrics.jsonl.gz")) == []
-    noisy = [json.loads(line) for line in (Path(__file__).with_name("data") / "noisy_run_steps.jsonl").open()]
+    noisy = [json.loads(line) for line in Path(__file__).with_name("noisy_run_steps.jsonl").open()]
     assert client_blowups(noisy) == []
     first_steps = {m["client"]: m["loss"] for m in noisy if m["round"] == 0 and m["step"] == 0}
     means = {}
