@@ -21,6 +21,11 @@ from .report import (DIVERGED_LOSS_RATIO, MARK_SEEDS, MAX_TABLE_CLIENTS, METRICS
                      paired_markdown, summarize, sweeps, sweeps_markdown, table_markdown, with_exact_match, write_table_csv)
 
 
+def _intervals(rows) -> bool:
+    """Whether any row has an interval to show (two seeds or more): a caption promises one only then."""
+    return any(len(row.seeds) >= 2 for row in rows)
+
+
 def _marks_note(rows) -> str:
     if marked(rows):
         return f"Best per column **bold**, second <u>underlined</u>, among the rows of {MARK_SEEDS} seeds or more. "
@@ -97,8 +102,9 @@ def write_report(root: Path | str | list[Path | str], out: Path | str, client: s
         (folder / "table.md").write_text(table)
         write_table_csv(folder / "table.csv", tasks, rows)
         lines += [f"## {dataset}", "",
-                  f"Personalized {metric_name} ×100, {_seed_note(rows)}; Avg ± 95% CI half-width (Student's t over "
-                  f"seeds). {_marks_note(rows)}"
+                  f"Personalized {metric_name} ×100, {_seed_note(rows)}"
+                  + ("; Avg ± 95% CI half-width (Student's t over seeds). " if _intervals(rows) else ". ")
+                  + _marks_note(rows)
                   + ("Base: the untrained base model's Avg on the same test sets. "
                      if any(row.base_avg is not None for row in rows) else "") +
                   f"[table.md]({dataset}/table.md) · [table.csv]({dataset}/table.csv)"
@@ -140,10 +146,11 @@ def write_report(root: Path | str | list[Path | str], out: Path | str, client: s
                   "Aggregation consistency Σ_k p_k ‖w_k − w^r‖ (the data-weighted size of the clients' updates: "
                   "lower means they moved less from w^r, not that their directions agree) and the "
                   "GSNR ratio ‖mean g‖² / Σ var(g) of the clients' local gradients along their own paths (it also "
-                  "rises as steps shrink), mean over seeds ± 95% CI "
-                  "(docs/usage.md has the exact definitions).", "", dynamics_markdown(mine)]
+                  "rises as steps shrink), " + ("mean over seeds ± 95% CI " if _intervals(rows) else "one seed each ")
+                  + "(docs/usage.md has the exact definitions).", "", dynamics_markdown(mine)]
         gsnr_client = figure_client(tasks, client, paper is not None)
-        lines += [f"GSNR ratio of client {gsnr_client} (the GSNR figure's), mean over seeds ± 95% CI:", "",
+        lines += [f"GSNR ratio of client {gsnr_client} (the GSNR figure's), "
+                  + ("mean over seeds ± 95% CI:" if _intervals(rows) else "one seed each:"), "",
                   client_gsnr_markdown(mine, gsnr_client)]
         if claims and paper is None:
             lines += [f"(--claims: the paper's claims are about its FLAN and Dolly federations, 4 clients, one per "
