@@ -739,27 +739,27 @@ def _metrics(path: Path) -> list[dict]:
 
 
 def test_the_blow_up_test_on_real_runs_noisy_healthy_and_blown():
-    """Real losses. Blown: Table 1's FedSAM seeds 1 and 2 on FLAN (every client, 14–119 × its early level);
-    held: Table 1's FedAvg seeds. Noisy but healthy: a 3-round run on a user's CSV (6 Dirichlet clients
-    of Dolly rows, batch 4, pFLAlign at β 0.9 and lr 0.04: it barely moved; its train_step lines in
-    tests/noisy_run_steps.jsonl),
-    where the round means pass 2 × a client's lucky first step, the old line, and stay far below
-    CLIENT_BLOWUP_RATIO × its early level."""
+    """Real losses. Blown: Table 1's FedSAM seeds 1 and 2 on FLAN (every client, 14–119 × its early
+    level); held: Table 1's FedAvg seeds. Noisy but healthy: a 2-round run on a user's CSV (600 Dolly
+    rows cut by benchmarks/newcomer_csv.py, 6 Dirichlet clients, batch 4, max_seq_len 128, pFLAlign at β 0.9
+    and lr 0.04, so it barely moved), its 60 train_step lines in tests/noisy_run_steps.jsonl: one
+    client's steps in one round range from 1.34 to 2.59 (1.9 ×). Its round means stay under
+    CLIENT_BLOWUP_RATIO / 2 × each client's early level. (This run's noise did not pass the old line,
+    2 × a client's first step, as the issue's run did at 1.79 against 0.832; those numbers are in
+    `test_a_clients_blow_up_is_measured_from_its_own_early_level_by_hand`.)"""
     from pflalign.run_stats import CLIENT_BLOWUP_RATIO, client_blowups, client_starts
 
     runs = RESULTS / "table1-flan" / "runs" / "flan"
     for seed in (1, 2):
-        assert [b.client for b in client_blowups(_metrics(runs / "fedsam" / f"seed{seed}" / "metrics.jsonl.gz"))] \
-            == [0, 1, 2, 3]
+        found = client_blowups(_metrics(runs / "fedsam" / f"seed{seed}" / "metrics.jsonl.gz"))
+        assert [b.client for b in found] == [0, 1, 2, 3] and min(b.peak / b.start for b in found) > 13
     for seed in (0, 1, 2):
         assert client_blowups(_metrics(runs / "fedavg" / f"seed{seed}" / "metrics.jsonl.gz")) == []
     noisy = [json.loads(line) for line in Path(__file__).with_name("noisy_run_steps.jsonl").open()]
-    assert client_blowups(noisy) == []
-    first_steps = {m["client"]: m["loss"] for m in noisy if m["round"] == 0 and m["step"] == 0}
-    means = {}
+    assert len(noisy) == 60 and client_blowups(noisy) == []
+    steps: dict = {}
     for m in noisy:
-        means.setdefault((m["client"], m["round"]), []).append(m["loss"])
-    worst = max(sum(v) / len(v) / first_steps[c] for (c, _), v in means.items())
-    assert worst > 2  # what the first-step line called a blow-up
+        steps.setdefault((m["client"], m["round"]), []).append(m["loss"])
+    assert max(max(v) / min(v) for v in steps.values()) > 1.9  # batch-4 noise within one client's round
     levels = client_starts(noisy)
-    assert max(sum(v) / len(v) / levels[c] for (c, _), v in means.items()) < CLIENT_BLOWUP_RATIO / 2
+    assert max(sum(v) / len(v) / levels[c] for (c, _), v in steps.items()) < CLIENT_BLOWUP_RATIO / 2
