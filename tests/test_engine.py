@@ -21,6 +21,9 @@ TINY = {
     "batch_size": 2,
     "max_seq_len": 96,
     "eval": {"max_new_tokens": 4, "batch_size": 4},
+    # the paper's defaults (lr 0.04, pFLAlign's β 0.9) also where a test starts a run as a user does
+    # (pflalign run, a Flower run's config): the runs pinned before issue 56 (not in config.json)
+    "defaults": "paper",
 }
 
 
@@ -216,7 +219,7 @@ def _train_with_losses(cfg, rec, start, end, losses):
     from pflalign.run.server import RoundRecord
 
     rec.open(rec.config(cfg))
-    watch = LossWatch(rec)
+    watch = LossWatch(rec, ["alpha", "beta", "gamma"])  # the clients' names, as the engines pass them
     for r in range(start, end):
         by_client = losses[r] if isinstance(losses[r], dict) else {0: losses[r]}
         record = RoundRecord({}, list(by_client), [ClientRound({}, {}, steps, None, None, 0.0, 0.0)
@@ -231,8 +234,9 @@ def test_a_round_past_twice_the_starting_loss_warns_once_also_after_a_resume(tmp
     import logging
 
     cfg = tiny_config(rounds=6)
-    # round means 1.0, 0.5, 2.0, 2.5, 0.4, 3.0 from a start of 1.0: 2.0 is not past 2 × 1.0, 2.5 is
-    losses = [[1.0, 1.0], [0.5], [2.0], [2.5], [0.4], [3.0]]
+    # round means 1.0, 0.5, 2.0, 4.5, 0.4, 5.0 from a start of 1.0: 2.0 is not past 2 × 1.0, 4.5 is, and
+    # past 4 × the client's early level (1.0) too
+    losses = [[1.0, 1.0], [0.5], [2.0], [4.5], [0.4], [5.0]]
     with caplog.at_level(logging.WARNING, logger="pflalign.run.lifecycle"):
         _train_with_losses(cfg, Recorder(tmp_path, resume=False, overwrite=False), 0, 3, losses)
         assert not caplog.records
@@ -240,39 +244,44 @@ def test_a_round_past_twice_the_starting_loss_warns_once_also_after_a_resume(tmp
         _train_with_losses(cfg, Recorder(tmp_path, resume=True, overwrite=False), 3, 6, losses)
     # one client: the run's line and the client's are passed in the same round, each warned once
     assert [r.getMessage() for r in caplog.records] == [
-        "round 4: mean training loss 2.5 is 2.5 × the loss the run started from (1): the run is diverging "
+        "round 4: mean training loss 4.5 is 4.5 × the loss the run started from (1): the run is diverging "
         "(a smaller lr or server step may hold it; pflalign report marks a run that ends so)",
-        "round 4: client 0's mean step loss 2.5 is 2.5 × its first step's loss (1): its training is blowing up, "
-        "which the run's mean can hide (pflalign report lists the clients that did)"]
+        "round 4: alpha's mean step loss 4.5 is 4.5 × its early level (1, the median step loss of its first "
+        "round): its training is blowing up, which the run's mean can hide (pflalign report lists the clients "
+        "that did)"]
 
 
 def test_one_clients_blow_up_that_the_runs_mean_hides_warns_once_also_after_a_resume(tmp_path, caplog):
     import logging
 
-    # client 0 starts at 1.0 and holds; client 1 first trains in round 2 (start 4.0) and passes 2 × 4.0 in
-    # round 5 (9.0), then again in round 6 (10.0); client 2 starts at 10.0 and dwarfs the run's mean: the run's
-    # start is (1 + 10) / 2 = 5.5 and no round's mean passes 11
-    losses = [{0: [1.0, 0.5], 2: [10.0, 6.0]}, {1: [4.0, 3.0], 2: [5.0]}, {0: [0.8], 1: [8.0]},
-              {0: [0.7], 2: [4.0]}, {1: [9.0], 2: [3.0]}, {1: [10.0]}]
+    # client 0 starts at 1.0 and holds; client 1 first trains in round 2 (early level 3.5, the median of 4.0
+    # and 3.0) and passes 4 × 3.5 in round 5 (15.0), then again in round 6 (14.5); client 2 starts at 10.0 and
+    # dwarfs the run's mean: the run's start is (1 + 10) / 2 = 5.5 and no round's mean passes 11
+    losses = [{0: [1.0, 0.5], 2: [10.0, 6.0]}, {1: [4.0, 3.0], 2: [5.0]}, {0: [0.8], 1: [12.0]},
+              {0: [0.7], 2: [4.0]}, {1: [15.0], 2: [3.0]}, {1: [14.5], 2: [2.0]}]
     with caplog.at_level(logging.WARNING, logger="pflalign.run.lifecycle"):
         _train_with_losses(tiny_config(rounds=6), Recorder(tmp_path, resume=False, overwrite=False), 0, 3, losses)
-        assert not caplog.records  # client 1's 8.0 is not past 2 × 4.0
+        assert not caplog.records  # client 1's 12.0 is not past 4 × 3.5
         # client 1's start read back from round 2's line
         _train_with_losses(tiny_config(rounds=6), Recorder(tmp_path, resume=True, overwrite=False), 3, 6, losses)
     assert [r.getMessage() for r in caplog.records] == [
-        "round 5: client 1's mean step loss 9 is 2.2 × its first step's loss (4): its training is blowing up, "
-        "which the run's mean can hide (pflalign report lists the clients that did)"]
+        "round 5: beta's mean step loss 15 is 4.3 × its early level (3.5, the median step loss of its first "
+        "round): its training is blowing up, which the run's mean can hide (pflalign report lists the clients "
+        "that did)"]
 
 
 def test_a_blow_up_within_round_1_warns_in_round_1(tmp_path, caplog):
-    """Against round 1's mean loss (4.0) this run never passes 2 ×; against its start (1.0) it does."""
+    """Against round 1's mean loss (11) this run never passes 2 ×; against its start (1.0) it does, and the
+    client's round 1 passes 4 × its early level (2.0, the median of its first round: the last step's 30 does
+    not lift it)."""
     import logging
 
-    losses = [[1.0, 3.0, 8.0], [5.0], [6.0]]  # round 1's mean 4.0, first step 1.0
+    losses = [[1.0, 2.0, 30.0], [5.0], [6.0]]  # round 1's mean 11, first step 1.0
     with caplog.at_level(logging.WARNING, logger="pflalign.run.lifecycle"):
         _train_with_losses(tiny_config(rounds=3), Recorder(tmp_path, resume=False, overwrite=False), 0, 3, losses)
     assert [r.getMessage() for r in caplog.records] == [
-        "round 1: mean training loss 4 is 4.0 × the loss the run started from (1): the run is diverging "
+        "round 1: mean training loss 11 is 11.0 × the loss the run started from (1): the run is diverging "
         "(a smaller lr or server step may hold it; pflalign report marks a run that ends so)",
-        "round 1: client 0's mean step loss 4 is 4.0 × its first step's loss (1): its training is blowing up, "
-        "which the run's mean can hide (pflalign report lists the clients that did)"]
+        "round 1: alpha's mean step loss 11 is 5.5 × its early level (2, the median step loss of its first "
+        "round): its training is blowing up, which the run's mean can hide (pflalign report lists the clients "
+        "that did)"]

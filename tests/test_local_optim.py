@@ -78,13 +78,32 @@ def test_sgd_is_the_methods_former_step_bit_for_bit():
 
 # ---- schedule ---------------------------------------------------------------------
 def test_cosine_schedule_by_hand():
-    """lr 0.1, min_lr 0.01, 4 rounds: FlowerTune's cosine_annealing at rounds 1..4 (its 1-based count)."""
+    """lr 0.1, min_lr 0.01, 4 rounds: 0.01 + 0.045 (1 + cos(π r/4)) at r = 0..3, the first round at lr,
+    and torch's CosineAnnealingLR (T_max = rounds, stepped once a round) gives the same values."""
     got = [round_lr(0.1, "cosine", 0.01, 4, r) for r in range(4)]
-    # 0.01 + 0.045 (1 + cos(π r/4)), r = 1..4: cos = √2/2, 0, −√2/2, −1
-    assert got == pytest.approx([0.0868198051533946, 0.055, 0.02318019484660537, 0.01], abs=1e-15)
+    # cos(π r/4), r = 0..3: 1, √2/2, 0, −√2/2
+    assert got == pytest.approx([0.1, 0.0868198051533946, 0.055, 0.02318019484660537], abs=1e-15)
+    w = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4, eta_min=0.01)
+    by_torch = []
+    for _ in range(4):
+        by_torch.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert got == pytest.approx(by_torch, abs=1e-15)
     assert [round_lr(0.1, "constant", 0.01, 4, r) for r in range(4)] == [0.1] * 4
     cfg = build_config(None, {"lr": 0.1, "rounds": 4, "optimizer": {"schedule": "cosine", "min_lr": 0.01}})
     assert [client_lr(cfg, r) for r in range(4)] == got
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 3, 10])
+def test_cosine_never_trains_a_round_at_lr_0(rounds):
+    """The default min_lr = 0: every round trains (issue 56: a one-round smoke test under the 1-based
+    count trained at lr 0 and left every client where it started); a one-round run trains at lr."""
+    lrs = [round_lr(0.04, "cosine", 0.0, rounds, r) for r in range(rounds)]
+    assert lrs[0] == 0.04 and min(lrs) > 0
+    assert lrs == sorted(lrs, reverse=True)
 
 
 def test_the_engine_trains_each_round_at_the_scheduled_lr(tmp_path, monkeypatch):
@@ -101,7 +120,7 @@ def test_the_engine_trains_each_round_at_the_scheduled_lr(tmp_path, monkeypatch)
     over = {**json.loads(json.dumps(TINY)), "method": "fedavg", "rounds": 3, "lr": 0.2,
             "optimizer": {"schedule": "cosine", "min_lr": 0.02}, "eval": {**TINY["eval"], "base_model": False}}
     run_in_process(build_config(None, over), tmp_path / "run", progress=False)
-    expected = [0.02 + 0.09 * (1 + math.cos(math.pi * r / 3)) for r in (1, 2, 3)]
+    expected = [0.02 + 0.09 * (1 + math.cos(math.pi * r / 3)) for r in (0, 1, 2)]
     assert sorted(set(seen)) == [(r, pytest.approx(expected[r], abs=1e-15)) for r in range(3)]
     assert json.loads((tmp_path / "run" / ckpt.CONFIG).read_text())["optimizer"]["schedule"] == "cosine"
 

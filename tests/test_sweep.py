@@ -112,7 +112,8 @@ def test_grid_takes_run_config_keys_such_as_the_learning_rate(sweep_file, tmp_pa
     runs = plan_sweep(str(sweep_file), tmp_path / "out", seeds=[0])
     assert [r.key for r in runs] == ["synth/fedavg@lr=0.01/seed0", "synth/fedavg@lr=0.16/seed0",
                                      "synth/pflalign@beta=0.5,eval.every=1/seed0"]
-    assert [r.cfg.lr for r in runs] == [0.01, 0.16, 4e-2] and runs[0].cfg.method_args == {}
+    # pFLAlign sets no lr: a sweep's new run takes the library's 0.16 (issue 56; its β is the grid's)
+    assert [r.cfg.lr for r in runs] == [0.01, 0.16, 0.16] and runs[0].cfg.method_args == {}
     assert runs[2].cfg.eval.every == 1 and runs[2].cfg.method_args == {"beta": 0.5}
     for bad, why in (("lr_max = [1.0]", "grid.fedavg.lr_max is neither an argument of fedavg"),
                      ("seed = [1]", "grid.fedavg.seed is neither"), ("'data.dir' = ['x']", "grid.fedavg.data.dir")):

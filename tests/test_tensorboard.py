@@ -42,6 +42,22 @@ def test_a_run_writes_the_per_round_scalars(tmp_path):
     losses = [m["mean_loss"] for m in rounds if m["event"] == "round"]
     assert [e.step for e in events.Scalars("loss/mean")] == [1, 2]
     assert [e.value for e in events.Scalars("loss/mean")] == pytest.approx(losses)
+    assert [(e.step, e.value) for e in events.Scalars("lr")] == [(1, pytest.approx(0.04)), (2, pytest.approx(0.04))]
+
+
+def test_the_lr_of_every_round_follows_the_schedule(tmp_path):
+    """Cosine over 2 rounds from lr 0.1 to min_lr 0.02: 0.1 in round 1, 0.06 in round 2 (`optim.round_lr`)."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from pflalign.run.engine import run
+
+    over = {**json.loads(json.dumps(TINY)), "method": "fedavg", "lr": 0.1,
+            "optimizer": {"schedule": "cosine", "min_lr": 0.02}, "eval": {**TINY["eval"], "every": 0}}
+    run(build_config(None, over), tmp_path, progress=False)
+    events = EventAccumulator(str(tmp_path / tensorboard.FOLDER))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("lr")] == [(1, pytest.approx(0.1)), (2, pytest.approx(0.06))]
 
 
 def test_a_run_writes_its_config_as_hparams_and_every_steps_loss(tmp_path):

@@ -36,7 +36,7 @@ def config(preset: str | None = None, overrides: dict | None = None):
             node[leaf].update(value)
         else:
             node[leaf] = value
-    return build_config(preset, nested)
+    return build_config(preset, nested, defaults="library")
 
 
 def run(cfg, out: str | Path, resume: bool = False, overwrite: bool = False, progress: bool = True,

@@ -54,7 +54,7 @@ def cmd_run(args) -> int:
         raise UserError("--resume continues with the run's saved config; drop --set/--data-dir/--method")
     if args.allow_recipe_change and not args.resume:
         raise UserError("--allow-recipe-change goes with --resume (a run's config.json edited since its checkpoint)")
-    cfg = None if args.resume else build_config(args.config, overrides)
+    cfg = None if args.resume else build_config(args.config, overrides, defaults="library")
     # the engine (torch, transformers: seconds, more under load) only once the config is checked
     from .run.engine import run
 

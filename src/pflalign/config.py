@@ -18,7 +18,7 @@ from .errors import UserError
 from .settings import (OPTIMIZERS, PRESETS, SCHEDULES, SEED_LIMIT, DataColumns, DataConfig,  # noqa: F401
                        EvalConfig, LogConfig, LoraSettings, OptimizerConfig, RunConfig, _apply, _coerce,
                        _suggest, check, check_optimizer_values, check_values, load_config_source, parse_set,
-                       parse_value, to_dict)
+                       parse_value, resolve_defaults, to_dict)
 
 
 def load_saved_config(path: Path) -> RunConfig:
@@ -32,11 +32,15 @@ def load_saved_config(path: Path) -> RunConfig:
         raise UserError(f"{path} is damaged ({exc}); the run cannot be resumed; start again with --overwrite") from None
 
 
-def build_config(source: str | None = None, overrides: dict | None = None) -> RunConfig:
-    """Defaults ← preset/file ← overrides, then validated."""
-    cfg = RunConfig()
+def build_config(source: str | None = None, overrides: dict | None = None, defaults: str = "paper") -> RunConfig:
+    """Defaults ← preset/file ← overrides, the keys left unset filled (`settings.resolve_defaults`),
+    then validated. `defaults`: which defaults fill them unless the preset, file or overrides name
+    theirs: "library" for a new run (`pflalign run`, `sweep`, `api.config`); "paper" (the values of
+    every config.json before issue 56) where a saved config is read back."""
+    cfg = RunConfig(defaults=defaults)
     _apply(cfg, load_config_source(source))
     _apply(cfg, overrides or {})
+    resolve_defaults(cfg)
     validate(cfg)
     return cfg
 

@@ -22,12 +22,16 @@ and hands it to the round's optimizer with `StepContext.descend`:
   Trainer's `weight_decay`; torch.optim.AdamW's own default is 0.01).
 
 Learning rate of round r (0-based, of R rounds), constant through the round's T steps:
-``constant``: η_r = lr; ``cosine``: FlowerTune's `cosine_annealing` with its 1-based
-round number r + 1,
+``constant``: η_r = lr; ``cosine``: torch's `CosineAnnealingLR` with T_max = R, stepped once
+a round,
 
-    η_r = min_lr + ½ (lr − min_lr) (1 + cos(π (r + 1) / R))
+    η_r = min_lr + ½ (lr − min_lr) (1 + cos(π r / R))
 
-so the first round already runs slightly below lr and the last one at min_lr.
+so the first round runs at lr and min_lr would be reached one round after the last: no round
+trains at min_lr, and with the default min_lr = 0 none at lr 0 (issue 56: FlowerTune's
+`cosine_annealing` counts rounds from 1, so its last round runs at min_lr, and a one-round
+smoke test at min_lr 0 trained nothing). The last round's η is min_lr + ½ (lr − min_lr)
+(1 + cos(π (R − 1) / R)): lr itself for R = 1, ½ lr for R = 2, 0.024 lr for R = 10.
 
 Gradient accumulation (`optimizer.grad_accumulation` = k): a local step draws
 batch_size × k examples (the same examples as one batch of batch_size × k) and computes
@@ -51,7 +55,7 @@ def round_lr(lr: float, schedule: str, min_lr: float, rounds: int, round_index: 
     if schedule == "constant":
         return lr  # the very float: constant runs are bit-identical to runs before the schedule
     if schedule == "cosine":
-        return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * (round_index + 1) / rounds))
+        return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * round_index / rounds))
     raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
 
 

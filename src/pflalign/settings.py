@@ -107,8 +107,8 @@ class OptimizerConfig:
     beta2: float = 0.999  # adamw
     eps: float = 1e-8  # adamw
     weight_decay: float = 0.0  # adamw, decoupled (the HF Trainer's default 0)
-    schedule: str = "constant"  # constant | cosine (FlowerTune's cosine_annealing over rounds, to min_lr)
-    min_lr: float = 0.0  # cosine: the last round's lr
+    schedule: str = "constant"  # constant | cosine (torch's CosineAnnealingLR over rounds, towards min_lr)
+    min_lr: float = 0.0  # cosine: the lr it decays towards, reached one round after the last (pflalign.optim)
     grad_accumulation: int = 1  # microbatches of batch_size per local step
 
 
@@ -125,12 +125,15 @@ class RunConfig:
     rounds: int = 50
     local_steps: int = 5
     batch_size: int = 4
-    lr: float = 4e-2
+    lr: float | None = None  # None: `default_lr` (by method, optimizer and `defaults`; issue 56)
     max_seq_len: int = 1024
     seed: int = 0
     participation: float = 1.0  # fraction of clients per round, sampled with the seed
     device: str = "cpu"  # cpu | cuda | auto
     dtype: str = "float32"  # float32 | bfloat16 (GPU)
+    # which defaults fill a key the config leaves unset (`resolve_defaults`): "paper" or "library".
+    # Not written to config.json: what it filled is (lr, pFLAlign's beta), so a run reads back the same.
+    defaults: str = "paper"
 
 
 PRESETS: dict[str, dict] = {
@@ -144,10 +147,60 @@ PRESETS: dict[str, dict] = {
         "max_seq_len": 256,
         "eval": {"max_new_tokens": 24},
     },
-    # The paper's settings (Kim & Lee 2026): 4 clients, 50 rounds x 5 steps, batch 4, lr 4e-2, r=16.
-    "flan-paper": {"data": {"name": "flan"}, "eval": {"max_new_tokens": 128}},
-    "dolly-paper": {"data": {"name": "dolly"}, "eval": {"max_new_tokens": 128}},
+    # The paper's settings (Kim & Lee 2026): 4 clients, 50 rounds x 5 steps, batch 4, lr 4e-2, r=16,
+    # with the paper defaults (pFLAlign's beta 0.9, as every run before issue 56).
+    "flan-paper": {"data": {"name": "flan"}, "eval": {"max_new_tokens": 128}, "defaults": "paper"},
+    "dolly-paper": {"data": {"name": "dolly"}, "eval": {"max_new_tokens": 128}, "defaults": "paper"},
 }
+
+# ---- defaults that train (issue 56) ----------------------------------------------------------
+# What a key the config leaves unset becomes. "paper": every method at the paper's lr 0.04 with SGD
+# (Kim & Lee 2026, all methods) and pFLAlign's β 0.9 (the paper states no β; this project's value
+# before issue 56, and what a config.json without β ran at). "library", what `pflalign run`,
+# `pflalign sweep` and `api.config` start from unless a preset or file says "paper": the same, except
+# that pFLAlign (and its variants that keep P) gets β 0.5 and lr 0.16, so that its step is comparable
+# to FedAvg's at 0.04. pFLAlign's P is capped by β (docs/methods.md): at β 0.9 a step is under 0.09 ×
+# SGD's at the same lr, and 3 rounds at 0.04 did not leave the base model (14.27 against the base's
+# 14.06 and FedAvg's 16.36); β 0.5 at lr 0.16 stepped 0.348 × 0.16 = 0.056 there and was the one
+# setting above FedAvg (17.59; docs/results/pflalign-analysis, "Practical advice").
+DEFAULTS = ("paper", "library")
+SGD_LR = 4e-2  # the paper's, for every method
+PFLALIGN_LR = 0.16  # "library": pFLAlign's, with PFLALIGN_BETA
+PFLALIGN_BETA = 0.5  # "library": pFLAlign's β (its Args default, 0.9, is what a config without β means)
+# AdamW's: 2e-4, the LoRA learning rate of the field's recipes (QLoRA's for models up to 13B; TRL's
+# PEFT guide, "~10x the full fine-tuning rate"; FlowerTune's LLM templates run 5e-5 down to 1e-6).
+# SGD's 0.04 is ~200 × that: AdamW's step is about lr per coordinate whatever the gradient's size.
+ADAMW_LR = 2e-4
+PFLALIGN_METHODS = METHOD_NAMES[:6]  # pflalign and its five variants
+
+
+def preconditioned(cfg: RunConfig) -> bool:
+    """Whether the run is a pFLAlign method whose step P scales (all but P ≡ 1)."""
+    default = cfg.method != "pflalign-no-precond"
+    return cfg.method in PFLALIGN_METHODS and cfg.method_args.get("precondition", default) is not False
+
+
+def default_lr(cfg: RunConfig) -> float:
+    """The lr of a config that sets none: AdamW's `ADAMW_LR`; under "library" defaults a
+    preconditioned pFLAlign's `PFLALIGN_LR`; else the paper's `SGD_LR`."""
+    if cfg.optimizer.name == "adamw":
+        return ADAMW_LR
+    if cfg.defaults == "library" and preconditioned(cfg):
+        return PFLALIGN_LR
+    return SGD_LR
+
+
+def resolve_defaults(cfg: RunConfig) -> None:
+    """Fill the keys the config left unset, in place: lr (`default_lr`) and, under "library"
+    defaults, a pFLAlign method's β (`PFLALIGN_BETA`, written into method_args so that config.json
+    records it)."""
+    if cfg.defaults not in DEFAULTS:
+        raise UserError(f"defaults must be one of {', '.join(DEFAULTS)}, got {cfg.defaults!r}")
+    check_method_name(cfg.method)
+    if cfg.defaults == "library" and cfg.method in PFLALIGN_METHODS and "beta" not in cfg.method_args:
+        cfg.method_args["beta"] = PFLALIGN_BETA
+    if cfg.lr is None:
+        cfg.lr = default_lr(cfg)
 
 
 def _suggest(key: str, valid) -> str:
@@ -367,6 +420,7 @@ def to_dict(cfg: RunConfig) -> dict:
     the pinned results' hash of it) stays what it was before they existed; reading it back
     gives the defaults."""
     out = dataclasses.asdict(cfg)
+    del out["defaults"]  # what they filled in is written (lr, method_args)
     if cfg.optimizer == OptimizerConfig():
         del out["optimizer"]
     if cfg.data.client_names == "numbered":

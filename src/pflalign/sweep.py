@@ -271,7 +271,7 @@ def plan_sweep(source: str, out: Path | str, overrides: dict | None = None,
                 layers = merge(common, {"method_args": _table(per_method, method, "sweep config method_args")})
                 layers = merge(layers, _nested(run_keys))
                 layers = merge(layers, {"method": method, "seed": seed, "method_args": args})
-                cfg = build_config(None, layers)
+                cfg = build_config(None, layers, defaults="library")
                 if cfg.data.name != "synthetic" and not cfg.data.dir:
                     raise UserError(f"dataset {name!r} ({cfg.data.name}) needs its data: pass --data-dir "
                                     f"or give data_dir in the sweep config")

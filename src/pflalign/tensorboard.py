@@ -10,7 +10,8 @@ metrics.jsonl unchanged, and the numbers also go to TensorBoard event files in
   metrics, and the whole config.json as the text ``config``;
 * ``loss/step/<client>``: each local step's minibatch loss (``train_step`` lines), the step
   counted over all rounds, round · local_steps + step + 1, as the report's loss figure;
-* ``loss/mean`` and ``consistency/update_norm``, ``consistency/model_norm`` (``round`` lines);
+* ``loss/mean`` and ``consistency/update_norm``, ``consistency/model_norm`` (``round`` lines), and
+  ``lr``, the clients' learning rate of the round (`optim.round_lr`: optimizer.schedule);
 * ``loss/<client>`` (the mean of its local steps), ``gsnr/mean/<client>``, ``gsnr/ratio/<client>``
   (``client_round`` lines);
 * ``rouge_l/{personalized,global}/<client>`` (``round_eval`` lines, with ``eval.every``);
@@ -75,6 +76,7 @@ class TensorBoardTee:
         self._losses: dict[tuple[int, int], list[float]] = {}
         self._last_round = 0
         self._local_steps = int((config or {}).get("local_steps") or 1)
+        self._config = config or {}
         if config is not None:
             self._hparams(config)
 
@@ -116,6 +118,7 @@ class TensorBoardTee:
             self._scalar("loss/mean", row.get("mean_loss"), step)
             self._scalar("consistency/update_norm", row.get("consistency_update_norm"), step)
             self._scalar("consistency/model_norm", row.get("consistency_model_norm"), step)
+            self._scalar("lr", self._round_lr(row["round"]), step)
         elif event == "client_round":
             name = self._name(row["client"])
             losses = self._losses.pop((row["round"], row["client"]), [])
@@ -127,6 +130,17 @@ class TensorBoardTee:
             name = row.get("task") or self._name(row["client"])
             self._scalar(f"rouge_l/personalized/{name}", row.get("rouge_l_personalized"), step)
             self._scalar(f"rouge_l/global/{name}", row.get("rouge_l_global"), step)
+
+    def _round_lr(self, round_index: int) -> float | None:
+        """The clients' lr of a round, from the config as config.json holds it (None without one)."""
+        from .optim import round_lr
+        from .settings import OptimizerConfig
+
+        cfg = self._config
+        if not isinstance(cfg.get("lr"), (int, float)) or not isinstance(cfg.get("rounds"), int):
+            return None
+        opt = {**vars(OptimizerConfig()), **(cfg.get("optimizer") or {})}
+        return round_lr(cfg["lr"], opt["schedule"], opt["min_lr"], cfg["rounds"], round_index)
 
     def commit(self) -> int:
         self._writer.flush()

@@ -11,6 +11,7 @@ the reason is returned for report.md.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import zlib
 from collections import Counter
@@ -140,7 +141,9 @@ def _rouge_bars(path: Path, tasks: list[str], rows: list[Row]) -> list[tuple[str
     top = max([1.0] + [r.avg + (r.avg_ci or 0) for r in rows]
               + [v + (r.cell_ci.get(t) or 0) for r in rows for t, v in r.cells.items()])
     y_max = min(top, 100.0) * 1.05  # ROUGE-L ≤ 100: longer whiskers (few seeds) are cut there
-    fig, ax = plt.subplots(figsize=(max(8.0, 1.2 + len(groups) * (0.6 + 0.12 * n)), 4.2), layout="constrained")
+    long = max(map(len, groups)) > TICK_CHARS  # wrapped names (`_wrapped`) need wider groups
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.2 + len(groups) * ((0.9 if long else 0.6) + 0.12 * n)),
+                                    4.6 if long else 4.2), layout="constrained")
     cut = []
     for i, row in enumerate(rows):
         means = [row.cells.get(t, float("nan")) for t in tasks] + [row.avg]
@@ -158,18 +161,36 @@ def _rouge_bars(path: Path, tasks: list[str], rows: list[Row]) -> list[tuple[str
                     cut.append((row.method, group, side))
                     ax.plot([x], [edge], marker=marker, markersize=4, color="0.15", linestyle="none",
                             clip_on=False, zorder=6)
-    ax.set_xticks(range(len(groups)), groups)
+    ax.set_xticks(range(len(groups)), [_wrapped(g) for g in groups], fontsize=8 if long else None)
     ax.set_ylim(0, y_max)
     ax.set_ylabel("personalized ROUGE-L (×100)")
-    ax.set_xlabel("client (task); bars: mean over seeds, whiskers: 95% CI"
-                  + ("; ▼ ▲: whisker cut at the axis" if cut else ""))
+    seeds = {len(r.seeds) for r in rows}
+    bars = "one seed each" if seeds == {1} else "mean over seeds"
+    # whiskers only where a row has two seeds or more: the caption says what is drawn, no more
+    whiskers = ", whiskers: 95% CI over seeds" if any(r.avg_ci is not None for r in rows) else " (no interval)"
+    ax.set_xlabel(f"client (task); bars: {bars}{whiskers}" + ("; ▼ ▲: whisker cut at the axis" if cut else ""))
     ax.grid(True, axis="y", alpha=0.3)
     ax.set_axisbelow(True)
     legend_outside(fig, *ax.get_legend_handles_labels())
     ax.set_title("Personalized ROUGE-L per client", fontsize=11)
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")  # tight: long legend entries stay inside the image
     plt.close(fig)
     return cut
+
+
+TICK_CHARS = 14  # a client name longer than this is wrapped under its group of bars
+
+
+def _wrapped(name: str, width: int = TICK_CHARS) -> str:
+    """A client name on lines of at most `width` characters, broken after its '-' and '_' (a user's
+    names such as client_005-information_extraction side by side would overrun each other)."""
+    lines: list[str] = []
+    for token in re.split(r"(?<=[-_])", name):
+        if lines and len(lines[-1]) + len(token) <= width:
+            lines[-1] += token
+        else:
+            lines.append(token)
+    return "\n".join(lines)
 
 
 MAX_BAR_CLIENTS = 20  # more clients than this: the per-client bars are unreadable; the scatter shows them

@@ -299,7 +299,7 @@ def client_blowup_notes(runs: list[Run]) -> list[str]:
             if found:
                 tasks = {c["id"]: c["task"] for c in r.results.get("clients", [])}
                 notes.append(f"{label(method)} seed {r.seed}: " + "; ".join(
-                    f"{tasks.get(b.client, f'client {b.client}')} {b.start:.3g} at its first step, "
+                    f"{tasks.get(b.client, f'client {b.client}')} {b.start:.3g} early (its first round's median), "
                     f"{b.peak:.4g} in round {b.peak_round} ({b.peak / b.start:.0f} ×), {b.last:.3g} in its last round"
                     for b in found))
     return notes
@@ -317,6 +317,9 @@ class Row:
     diverged_seeds: list[int] = field(default_factory=list)  # runs whose training diverged (`divergence`)
     # runs that did not, in which a client's training blew up for a while (`client_blowup_notes`)
     client_blowup_seeds: list[int] = field(default_factory=list)
+    # the untrained base model's Avg on the same runs' test sets, mean over the seeds that scored it
+    # (eval.base_model); None where none did
+    base_avg: float | None = None
     family: str = field(init=False)
 
     def __post_init__(self):
@@ -366,8 +369,19 @@ def summarize(runs: list[Run], metric: str = "rouge_l") -> tuple[list[str], list
             statistics.fmean(avgs), ci95_half_width(avgs),
             sorted(r.seed for r in mine if divergence(r) is not None),
             sorted(r.seed for r in mine if divergence(r) is None and client_blowups(r.metrics)),
+            _mean_or_none([r.results.get(f"avg_{metric}_base") for r in mine]),
         ))
     return tasks, rows
+
+
+def _mean_or_none(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+# Best/second marks compare means over seeds: a row of one seed takes no part (its order against
+# another row is what a rerun can change: issue 56's short runs marked differences of 0.2 points)
+MARK_SEEDS = 2
 
 
 def _ranks(values: list[float | None]) -> list[int | None]:
@@ -380,26 +394,38 @@ def _ranks(values: list[float | None]) -> list[int | None]:
             for v in values]
 
 
+def marked(rows: list[Row]) -> bool:
+    """Whether a table of these rows gets best/second marks: two rows of `MARK_SEEDS` seeds or more."""
+    return sum(len(row.seeds) >= MARK_SEEDS for row in rows) >= 2
+
+
 def table_markdown(tasks: list[str], rows: list[Row], families: bool = True) -> str:
     """Table 1 in markdown: family headings (the paper's grouping; `families`), best per column
-    bold, second underlined, † after a method with a diverged run, ‡ after one with a run in which a
-    client blew up (and the run did not diverge)."""
-    columns = [[row.cells.get(t) for row in rows] for t in tasks] + [[row.avg for row in rows]]
+    bold, second underlined among the rows of `MARK_SEEDS` seeds or more, † after a method with a
+    diverged run, ‡ after one with a run in which a client blew up (and the run did not diverge);
+    a Base column (the untrained base model's Avg, unmarked) where the runs scored it, so that a
+    method whose Avg sits at the base model's is seen not to have trained."""
+    judged = [len(row.seeds) >= MARK_SEEDS for row in rows]
+    columns = [[row.cells.get(t) if ok else None for row, ok in zip(rows, judged)] for t in tasks] \
+        + [[row.avg if ok else None for row, ok in zip(rows, judged)]]
     ranks = [_ranks(col) for col in columns]
+    base = any(row.base_avg is not None for row in rows)
 
     def mark(text: str, rank: int | None) -> str:
         return f"**{text}**" if rank == 1 else f"<u>{text}</u>" if rank == 2 else text
 
-    lines = ["| Method | " + " | ".join(tasks) + " | Avg |",
-             "| :-- | " + " | ".join("--:" for _ in tasks) + " | --: |"]
+    lines = ["| Method | " + " | ".join(tasks) + " | Avg |" + (" Base |" if base else ""),
+             "| :-- | " + " | ".join("--:" for _ in tasks) + " | --: |" + (" --: |" if base else "")]
     heading = None
     for i, row in enumerate(rows):
         if families and row.family != heading:
             heading = row.family
-            lines.append(f"| *{heading}* |" + " |" * (len(tasks) + 1))
+            lines.append(f"| *{heading}* |" + " |" * (len(tasks) + 1 + base))
         cells = [mark(f"{row.cells[t]:.2f}", ranks[j][i]) if t in row.cells else "–" for j, t in enumerate(tasks)]
         avg = f"{row.avg:.2f}" + (f" ± {row.avg_ci:.2f}" if row.avg_ci is not None else "")
         cells.append(mark(avg, ranks[-1][i]))
+        if base:
+            cells.append("–" if row.base_avg is None else f"{row.base_avg:.2f}")
         dagger = (" †" if row.diverged_seeds else "") + (" ‡" if row.client_blowup_seeds else "")
         lines.append(f"| {label(row.method)}{dagger} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -409,13 +435,14 @@ def write_table_csv(path: Path, tasks: list[str], rows: list[Row]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["method", "family", *tasks, "avg", "avg_ci95", "n_seeds", "seeds", "diverged_seeds",
-                    "client_blowup_seeds"])
+                    "client_blowup_seeds", "base_avg"])
         for row in rows:
             w.writerow([row.method, row.family,
                         *(f"{row.cells[t]:.4f}" if t in row.cells else "" for t in tasks),
                         f"{row.avg:.4f}", "" if row.avg_ci is None else f"{row.avg_ci:.4f}",
                         len(row.seeds), " ".join(map(str, row.seeds)), " ".join(map(str, row.diverged_seeds)),
-                        " ".join(map(str, row.client_blowup_seeds))])
+                        " ".join(map(str, row.client_blowup_seeds)),
+                        "" if row.base_avg is None else f"{row.base_avg:.4f}"])
 
 
 # ---- sweeps: rows that differ in one setting -----------------------------------

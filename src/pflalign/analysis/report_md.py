@@ -10,14 +10,27 @@ from pathlib import Path
 
 from .claims import claims_markdown
 from ..errors import UserError
+from ..run_stats import CLIENT_BLOWUP_RATIO
 from .figures import write_figures
 from ..data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
-from .report import (DIVERGED_LOSS_RATIO, MAX_TABLE_CLIENTS, METRICS, MIN_SEEDS_TO_JUDGE, REFERENCE, _seed_note,
+from .report import (DIVERGED_LOSS_RATIO, MARK_SEEDS, MAX_TABLE_CLIENTS, METRICS, MIN_SEEDS_TO_JUDGE, REFERENCE, _seed_note,
                      answers_markdown, paper_federation,
                      client_gsnr_markdown, cost_markdown, distribution_markdown, divergence_notes,
-                     client_blowup_notes,
+                     client_blowup_notes, marked,
                      dynamics_markdown, figure_client, find_runs, label, method_order, paired_differences,
                      paired_markdown, summarize, sweeps, sweeps_markdown, table_markdown, with_exact_match, write_table_csv)
+
+
+def _intervals(rows) -> bool:
+    """Whether any row has an interval to show (two seeds or more): a caption promises one only then."""
+    return any(len(row.seeds) >= 2 for row in rows)
+
+
+def _marks_note(rows) -> str:
+    if marked(rows):
+        return f"Best per column **bold**, second <u>underlined</u>, among the rows of {MARK_SEEDS} seeds or more. "
+    return (f"No best/second marks: fewer than two rows have {MARK_SEEDS} seeds or more, and one run's order "
+            "against another is what a rerun can change. ")
 
 
 def write_report(root: Path | str | list[Path | str], out: Path | str, client: str | None = None,
@@ -81,15 +94,19 @@ def write_report(root: Path | str | list[Path | str], out: Path | str, client: s
                       + "".join(f"- {n}\n" for n in diverged))
         blowups = client_blowup_notes(mine)
         if blowups:
-            table += (f"\n‡ A client blew up: in some round its mean local-step loss passed {DIVERGED_LOSS_RATIO:g} × "
-                      "the loss of its first step, though the run did not end diverged (†); the run's mean loss hid "
+            table += (f"\n‡ A client blew up: in some round its mean local-step loss passed {CLIENT_BLOWUP_RATIO:g} × "
+                      "its early level (the median step loss of its first round), though the run did not end "
+                      "diverged (†); the run's mean loss hid "
                       "it, and that client's scores measure what was left after it.\n\n"
                       + "".join(f"- {n}\n" for n in blowups))
         (folder / "table.md").write_text(table)
         write_table_csv(folder / "table.csv", tasks, rows)
         lines += [f"## {dataset}", "",
-                  f"Personalized {metric_name} ×100, {_seed_note(rows)}; Avg ± 95% CI half-width (Student's t over "
-                  f"seeds). Best per column **bold**, second <u>underlined</u>. "
+                  f"Personalized {metric_name} ×100, {_seed_note(rows)}"
+                  + ("; Avg ± 95% CI half-width (Student's t over seeds). " if _intervals(rows) else ". ")
+                  + _marks_note(rows)
+                  + ("Base: the untrained base model's Avg on the same test sets. "
+                     if any(row.base_avg is not None for row in rows) else "") +
                   f"[table.md]({dataset}/table.md) · [table.csv]({dataset}/table.csv)"
                   + (f" (per-client columns for all {len(tasks)} clients in table.csv)" if many else ""), "", table]
         found = sweeps(rows)
@@ -129,10 +146,11 @@ def write_report(root: Path | str | list[Path | str], out: Path | str, client: s
                   "Aggregation consistency Σ_k p_k ‖w_k − w^r‖ (the data-weighted size of the clients' updates: "
                   "lower means they moved less from w^r, not that their directions agree) and the "
                   "GSNR ratio ‖mean g‖² / Σ var(g) of the clients' local gradients along their own paths (it also "
-                  "rises as steps shrink), mean over seeds ± 95% CI "
-                  "(docs/usage.md has the exact definitions).", "", dynamics_markdown(mine)]
+                  "rises as steps shrink), " + ("mean over seeds ± 95% CI " if _intervals(rows) else "one seed each ")
+                  + "(docs/usage.md has the exact definitions).", "", dynamics_markdown(mine)]
         gsnr_client = figure_client(tasks, client, paper is not None)
-        lines += [f"GSNR ratio of client {gsnr_client} (the GSNR figure's), mean over seeds ± 95% CI:", "",
+        lines += [f"GSNR ratio of client {gsnr_client} (the GSNR figure's), "
+                  + ("mean over seeds ± 95% CI:" if _intervals(rows) else "one seed each:"), "",
                   client_gsnr_markdown(mine, gsnr_client)]
         if claims and paper is None:
             lines += [f"(--claims: the paper's claims are about its FLAN and Dolly federations, 4 clients, one per "

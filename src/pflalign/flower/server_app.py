@@ -39,7 +39,7 @@ from .. import checkpoint as ckpt, tensorboard
 from ..run import export, run_dir
 from ..config import make_method
 from ..errors import UserError
-from ..run.lifecycle import LossWatch, Recorder, client_row, results_summary
+from ..run.lifecycle import LossWatch, Recorder, client_row, results_summary, warn_at_start
 from ..model import build_model
 from ..run.server import RoundRecord, Server
 from . import privacy as priv, quiet_progress_bars, wire
@@ -87,6 +87,8 @@ def run(grid: Grid, rc: dict) -> dict:
         server.load_state_dict(rec.checkpoint)
         strategy.load_state_dict(rec.checkpoint["flower"])
     rec.open(cfg)
+    if not rec.resuming:
+        warn_at_start(cfg, method)
     rec.metrics = tensorboard.wrap(rec.metrics, cfg, rec.out, dict(enumerate(names)))  # as pflalign run
     if not rec.resuming:
         rec.save(0, checkpoint(server, strategy))  # resumable even if the first round fails
@@ -115,7 +117,7 @@ def train(grid: Grid, server: Server, strategy: MethodStrategy, rec: Recorder, t
     """The rounds left, as `pflalign run` trains them (`engine.Federation.train`): a round, its
     lines, the per-round scores when ``eval.every`` says so, a checkpoint."""
     cfg = strategy.cfg
-    watch = LossWatch(rec)
+    watch = LossWatch(rec, strategy.nodes.names)
     for r in range(rec.start_round, cfg.rounds):
         tic = time.perf_counter()
         record = train_round(grid, server, strategy, r, timeout)  # the clients train, the server aggregates

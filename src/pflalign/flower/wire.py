@@ -230,7 +230,7 @@ def run_options(run_config: dict) -> dict:
 
 def resolve_config(run_config: dict) -> RunConfig:
     """The RunConfig of a fresh Flower run from its run config."""
-    return build_config(run_config.get("config") or None, parse_overrides(run_config.get("set", "")))
+    return build_config(run_config.get("config") or None, parse_overrides(run_config.get("set", "")), defaults="library")
 
 
 def config_json(cfg: RunConfig) -> str:

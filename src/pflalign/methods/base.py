@@ -254,6 +254,11 @@ class Method(ABC):
         ``ctx.scratch``. Implementations run under ``torch.no_grad()``.
         """
 
+    def start_warning(self, lr: float, num_steps: int) -> str | None:
+        """One line a run of this method prints as it starts when its settings will not train as a
+        user expects (pFLAlign: a β that caps its step far below the lr's); None: nothing to say."""
+        return None
+
     def round_metrics(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> dict[str, float]:
         """What only the method can measure of the client's round just taken (pFLAlign: its
         preconditioner and gate), as numbers for the round's `client_round` metrics line; called

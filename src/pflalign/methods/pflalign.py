@@ -3,7 +3,9 @@ Algorithm 1, element-wise on every trainable (LoRA) tensor of client k.
 
 Persistent on the client across rounds: Δ_k = 0, v = 0, P = 0 (at first).
 Start of round r:  m = 0;  w_{k,0} = w^r + Δ_k.
-For t = 0 … T−1, with ε = 1e-12 and β (default 0.9; the paper does not state it):
+For t = 0 … T−1, with ε = 1e-12 and β (the paper does not state it; a config without β
+runs at 0.9, the paper presets' and every run's before issue 56; a new run at 0.5 with lr 0.16,
+the library's defaults, `settings.resolve_defaults`):
 
     g = ∇ f_k(w_{k,t}; minibatch)
     m = β m + (1−β) g
@@ -132,8 +134,31 @@ def pflalign_step_(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.T
     return gamma_t
 
 
+def step_ratio_cap(beta: float, num_steps: int, eps: float = 1e-12, rounds: int = 300) -> tuple[float, float]:
+    """How far P lets pFLAlign step, for a gradient g that never changes: (P on a round's last step,
+    its cap; the mean of P over a round's steps, the round's ‖P⊙g‖/‖g‖), in P's steady cycle. A
+    scalar run of Algorithm 1's m, v and P with g = 1 (m restarts every round, v and P do not):
+    β 0.5, 0.8, 0.9 at T = 5 give caps 0.854, 0.287, 0.089 and means 0.679, 0.242, 0.081
+    (tests/test_pflalign.py checks them against the method itself). Real gradients vary, so a run's
+    `step_ratio` is lower (FLAN at β 0.8: 0.07–0.16); the cap is the most its β allows."""
+    v = P = 0.0
+    for _ in range(rounds):
+        m, ratios = 0.0, []
+        for _ in range(num_steps):
+            m = beta * m + (1 - beta)
+            v = beta * v + (1 - beta)
+            inverse = 1 / (v + eps)
+            P = (1 - (1 - beta) * inverse) * P + (1 - beta) * m * m * inverse
+            ratios.append(P)
+    return ratios[-1], sum(ratios) / len(ratios)
+
+
+# a pFLAlign run whose cap is below this share of SGD's step gets one line as it starts (issue 56)
+SHORT_STEP = 0.2
+
+
 class PFLAlign(FedAvg):  # FedAvg's server rule, its own client rule
-    """pFLAlign (Kim & Lee, 2026), Algorithm 1: P-preconditioned steps from w^r + Δ_k with an erf-gated pull −γΔ_k/T; its step is about 0.07–0.25× SGD's at β 0.8 (the less, the larger lr) and under 0.09× at the default β 0.9 (P is capped by β); for short runs use β 0.5 and lr ≈ 0.16, for 50 rounds β 0.8 and lr ≈ 8× a baseline's (measured: docs/results/pflalign-analysis).
+    """pFLAlign (Kim & Lee, 2026), Algorithm 1: P-preconditioned steps from w^r + Δ_k with an erf-gated pull −γΔ_k/T. P is capped by β (`step_ratio_cap`): under 0.09× SGD's step at β 0.9, 0.29× at β 0.8, 0.85× at β 0.5. The library's defaults, β 0.5 at lr 0.16 (settings.resolve_defaults), step about as far as FedAvg's 0.04; the paper presets keep β 0.9 (the paper states none) at 0.04. For 50 rounds on FLAN β 0.8 at lr 0.33 did best (measured: docs/results/pflalign-analysis).
 
     The update rule, the variants and the measurements are in the module's docstring.
     """
@@ -144,6 +169,16 @@ class PFLAlign(FedAvg):  # FedAvg's server rule, its own client rule
     Args = PFLAlignArgs
     evaluation_args = ("personalized",)
     refuses_adamw = "its preconditioner P (with m and v) is its optimizer"
+
+    def start_warning(self, lr: float, num_steps: int) -> str | None:
+        if not self.args.precondition:
+            return None
+        cap, _ = step_ratio_cap(self.args.beta, num_steps, self.args.eps)
+        if cap >= SHORT_STEP:
+            return None
+        return (f"pFLAlign at beta {self.args.beta:g} steps at most {cap:.3f} x SGD's step at the same lr (its P is "
+                f"capped by beta; docs/methods.md): like SGD at lr {lr * cap:.2g} or less, so it may barely leave the "
+                f"base model; beta 0.5 at lr 0.16 (the library's default) steps about as far as FedAvg at 0.04")
 
     def init_client_state(self, global_params: Params) -> State:
         return {"delta": zeros_like(global_params), "v": zeros_like(global_params), "P": zeros_like(global_params)}

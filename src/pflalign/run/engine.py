@@ -35,7 +35,8 @@ from ..settings import flat, merge
 from .data_cache import client_data
 from ..errors import OutOfMemory, RunInterrupted, TrainingDiverged, UserError
 from ..evaluate import add_exact_match
-from .lifecycle import LossWatch, Recorder, client_row, eval_clients, results_summary, sample_clients, saved_config
+from .lifecycle import (LossWatch, Recorder, client_row, eval_clients, results_summary, sample_clients, saved_config,
+                        warn_at_start)
 from ..methods.base import Method, Params, clone
 from ..model import build_model, resolve_device
 from ..partition import client_shares_described
@@ -130,7 +131,7 @@ class Federation:
         """Rounds start..end-1, each written into `rec`'s run folder, then `after(r, record,
         seconds)` (progress, logs). Returns `end`."""
         self.store.attach(rec.out)
-        watch = LossWatch(rec)
+        watch = LossWatch(rec, [c.name for c in self.clients])
         for r in range(start, end):
             self.in_round = r
             tic = time.perf_counter()
@@ -345,6 +346,8 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
     fed = Federation(cfg, progress=progress, out=rec.out, workers=workers, batch=batch)
     start = fed.restore(rec.checkpoint) if rec.resuming else 0
     rec.open(cfg)
+    if not rec.resuming:
+        warn_at_start(cfg, fed.method)
     rec.metrics = tensorboard.wrap(rec.metrics, cfg, rec.out, {c.id: c.name for c in fed.clients})  # log.tensorboard
     end = cfg.rounds if stop_after is None else min(cfg.rounds, start + stop_after)
     rounds_bar = tqdm(range(start, end), initial=start, total=cfg.rounds, desc="rounds",
