@@ -245,7 +245,7 @@ def test_max_size_ratio_0_is_off_and_says_so_at_the_start(tiny_llama, w0, caplog
     assert options["max-size-ratio"] == 0.0 and options["max-update-ratio"] == 10.0
     assert wire.run_options({})["max-size-ratio"] == wire.RUN_DEFAULTS["max-size-ratio"]
     strategy = _strategy(tiny_llama, w0)
-    strategy.max_size_ratio = 0.0
+    strategy.checks.max_size_ratio = 0.0
     with caplog.at_level("INFO", logger="flwr.pflalign"):
         strategy.summary()
     said = [r.message for r in caplog.records]

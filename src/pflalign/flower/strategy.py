@@ -159,14 +159,15 @@ class MethodStrategy(Strategy):
         log.info("pflalign %s: %s, participation %g, %d rounds x %d local steps, min-clients %s",
                  self.cfg.method, wire.describe_clients(self.nodes.names), self.cfg.participation,
                  self.cfg.rounds, self.cfg.local_steps, self.min_clients or "all")
-        bound = {k: f"{v:g}" if v else "off" for k, v in (("max-update-norm", self.max_update_norm),
-                                                          ("max-update-ratio", self.max_update_ratio),
-                                                          ("max-size-ratio", self.max_size_ratio))}
+        checks = self.checks
+        bound = {k: f"{v:g}" if v else "off" for k, v in (("max-update-norm", checks.max_update_norm),
+                                                          ("max-update-ratio", checks.max_update_ratio),
+                                                          ("max-size-ratio", checks.max_size_ratio))}
         log.info("replies checked: %s", ", ".join(f"{k} {v}" for k, v in bound.items()))
-        if not self.max_size_ratio:
+        if not checks.max_size_ratio:
             log.warning("max-size-ratio=0: the bound on the sizes clients declare is off; one reply claiming a "
                         "huge n_train takes nearly the whole aggregation weight (docs/distributed.md)")
-        if not self.max_update_ratio:
+        if not checks.max_update_ratio:
             log.warning("max-update-ratio=0: updates are not bounded relative to the global model's norm "
                         "(docs/distributed.md)")
 
