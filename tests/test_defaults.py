@@ -139,3 +139,22 @@ def test_methods_long_says_the_library_defaults(capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("pflalign "))
     assert "β 0.5 at lr 0.16" in line and "β 0.9" in line
     assert METHODS["pflalign"].Args().beta == 0.9  # what a config without β means
+
+
+def test_a_run_on_library_defaults_resumes_as_saved(tmp_path):
+    """config.json keeps what the library defaults filled in (lr, β), not which defaults did: the
+    config read back on --resume is the same run, and its training recipe is the checkpoint's
+    (issue 57's check must not take the lost marker for a change)."""
+    from pflalign.config import load_saved_config, recipe
+    from pflalign.run.engine import run
+
+    from test_engine import TINY
+
+    tiny = {k: v for k, v in json.loads(json.dumps(TINY)).items() if k != "defaults"}  # TINY pins the paper's
+    cfg = build_config(None, {**tiny, "method": "pflalign", "rounds": 2}, defaults="library")
+    assert (cfg.lr, cfg.method_args["beta"]) == (0.16, 0.5)
+    out = tmp_path / "run"
+    assert run(cfg, out, stop_after=1, progress=False) is None
+    saved = load_saved_config(out / "config.json")
+    assert saved == cfg and recipe(saved) == recipe(cfg) and saved.defaults == "paper"
+    assert run(None, out, resume=True, progress=False)["method"] == "pflalign"

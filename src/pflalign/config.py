@@ -94,7 +94,8 @@ def method_args(cfg: RunConfig):
 
 # What a run's training does not depend on: where the data is read from, where and how fast it
 # runs, what is scored and logged. Everything else in a config is its training recipe (`recipe`).
-NOT_RECIPE = ("data.dir", "data.max_test", "device", "eval.", "log.")
+NOT_RECIPE = ("data.dir", "data.max_test", "device", "eval.", "log.",
+              "defaults")  # which defaults filled a value: the values themselves are the recipe
 
 
 def recipe(cfg: RunConfig) -> dict:

@@ -132,8 +132,9 @@ class RunConfig:
     device: str = "cpu"  # cpu | cuda | auto
     dtype: str = "float32"  # float32 | bfloat16 (GPU)
     # which defaults fill a key the config leaves unset (`resolve_defaults`): "paper" or "library".
-    # Not written to config.json: what it filled is (lr, pFLAlign's beta), so a run reads back the same.
-    defaults: str = "paper"
+    # Not written to config.json: what it filled is (lr, pFLAlign's beta), so a run reads back the same;
+    # not compared either: two configs with the same values are the same run whichever filled them.
+    defaults: str = field(default="paper", compare=False)
 
 
 PRESETS: dict[str, dict] = {
