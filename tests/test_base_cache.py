@@ -73,9 +73,11 @@ def test_source_digest_covers_the_code_generation_runs_through():
     from pflalign import evaluate, model, prompts
 
     covered = set(base_cache.digested_sources())
-    kernels = [importlib.import_module(f.__module__) for f in (model.use_segment_attention, model.use_fused_lora_mlp,
-                                                                model.use_fused_rms_norm, model.head_cross_entropy_sum)]
-    for module in (model, evaluate, prompts, base_cache, *kernels):
+    lm = importlib.import_module(model.FederatedLM.__module__)  # the model's rooms: its loss and its kernels
+    kernels = [importlib.import_module(f.__module__) for f in (lm.use_segment_attention, lm.use_fused_lora_mlp,
+                                                                lm.use_fused_rms_norm, lm.head_cross_entropy_sum)]
+    rooms = [importlib.import_module(f.__module__) for f in (model.load_base_model, model.build_model)]
+    for module in (model, lm, *rooms, evaluate, prompts, base_cache, *kernels):
         assert Path(module.__file__) in covered, module.__name__
     root = Path(pflalign.__file__).parent
     assert not [p for p in covered if p.relative_to(root).parts[0] in ("data", "methods", "flower")]

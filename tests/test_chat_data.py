@@ -152,7 +152,7 @@ def test_bad_conversations_are_one_line(tmp_path, messages, match):
 def test_a_conversational_federation_trains_and_scores(tmp_path, monkeypatch):
     """Through the engine, with the tiny model's tokenizer given ChatML: the predictions'
     references are the last assistant turns and their prompts the transcripts before them."""
-    import pflalign.model as model
+    import pflalign.model.base as model  # where the base model and its tokenizer are made
 
     real = model._tiny_tokenizer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pflalign.model import attention, lora_mlp, rms_norm
-from pflalign import model as model_mod
+from pflalign.model import federated_lm as model_mod  # where the loss calls the kernels
 from pflalign.model import FederatedLM, LoraSettings
 
 BATCH = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 0], [11, 12, 13, 14, 15, 16]]),

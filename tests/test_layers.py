@@ -25,7 +25,7 @@ LAYERS: list[dict[str, list[str]]] = [
                        "optim"],  # the local optimizers' math (SGD, AdamW) and the lr schedule, below the methods
     },
     {
-        "model": ["model", "model.attention", "model.lora_mlp", "model.rms_norm", "model.head_loss", "model.base_cache",
+        "model": ["model", "model.base", "model.federated_lm", "model.build", "model.attention", "model.lora_mlp", "model.rms_norm", "model.head_loss", "model.base_cache",
                   "model.multi_lora"],  # and its CPU kernels; several adapters in one pass
         "methods": ["methods", "methods.*"],
     },
@@ -40,7 +40,8 @@ LAYERS: list[dict[str, list[str]]] = [
     {
         "engine": ["run.engine"],  # the two engines side by side: neither imports the other
         "flower": ["flower", "flower.*"],
-        "analysis": ["analysis.report", "analysis.report_md", "analysis.figures", "analysis.claims"],  # beside the engines, no training code
+        "analysis": ["analysis.runs", "analysis.stats", "analysis.tables", "analysis.report", "analysis.report_md",
+                     "analysis.figures", "analysis.claims"],  # beside the engines, no training code
     },
     {
         "top": ["pflalign", "__main__", "cli", "api", "commands", "sweep"],

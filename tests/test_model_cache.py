@@ -58,7 +58,7 @@ def test_training_step_is_bit_identical_with_the_cached_copy(gguf, monkeypatch):
                                          encode_train(lm.tokenizer, Example("Say hi", "hello there"), 64)],
                                         lm.tokenizer.pad_token_id)
     cached = FederatedLM.build(str(gguf), LoraSettings(r=4, alpha=8), seed=0)
-    monkeypatch.setattr("pflalign.model.load_dequantized", lambda path, dtype, root: model_cache.load_gguf(path, dtype))
+    monkeypatch.setattr("pflalign.model.base.load_dequantized", lambda path, dtype, root: model_cache.load_gguf(path, dtype))
     direct = FederatedLM.build(str(gguf), LoraSettings(r=4, alpha=8), seed=0)
     for lm in (cached, direct):
         lm.set_lora({n: t + 0.01 * torch.ones_like(t) for n, t in lm.get_lora().items()})

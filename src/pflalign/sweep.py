@@ -130,7 +130,7 @@ class PlannedRun:
         """A finished run's results (`report.read_results`); a `UserError` saying what to do
         when they cannot be used (a truncated or damaged results.json, here or under --done)."""
         from . import checkpoint as ckpt
-        from .analysis.report import read_results
+        from .analysis.runs import read_results
 
         try:
             return read_results((self.done or self.out) / ckpt.RESULTS)

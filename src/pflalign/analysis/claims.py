@@ -41,8 +41,9 @@ import statistics
 from dataclasses import dataclass
 
 from ..methods import label
-from .report import (GSNR_RISE_ROUND, MIN_SEEDS_TO_JUDGE, Paired, Row, Run, client_gsnr, paired_differences,
-                     run_dynamics, summarize)
+from .runs import GSNR_RISE_ROUND, Run, client_gsnr, run_dynamics
+from .stats import MIN_SEEDS_TO_JUDGE, Paired, paired_differences
+from .tables import Row, summarize
 
 PFLALIGN, FEDAVG, FEDSA, LOCAL = "pflalign", "fedavg", "fedsa-lora", "local"
 TRAILING = ("fedsam", "fedyogi")  # claim 3's two methods

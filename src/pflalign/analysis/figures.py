@@ -27,10 +27,12 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from ..methods import FAMILIES, family, label, method_order  # noqa: E402
 from ..settings import flat  # noqa: E402
 
-from .report import figure_client, sweeps  # noqa: E402  (report does not import this module: report_md does)
+from .runs import figure_client  # noqa: E402  (report does not import this module: report_md does)
+from .tables import sweeps
 
 if TYPE_CHECKING:  # the rows and runs `report` hands in
-    from .report import Row, Run
+    from .runs import Run
+    from .tables import Row
 
 DPI = 150
 _KNOWN = [m for _, members in FAMILIES for m in members if m != "pflalign"]

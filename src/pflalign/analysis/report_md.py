@@ -13,12 +13,14 @@ from ..errors import UserError
 from ..run_stats import CLIENT_BLOWUP_RATIO
 from .figures import write_figures
 from ..data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
-from .report import (DIVERGED_LOSS_RATIO, MARK_SEEDS, MAX_TABLE_CLIENTS, METRICS, MIN_SEEDS_TO_JUDGE, REFERENCE, _seed_note,
-                     answers_markdown, paper_federation,
-                     client_gsnr_markdown, cost_markdown, distribution_markdown, divergence_notes,
-                     client_blowup_notes, marked,
-                     dynamics_markdown, figure_client, find_runs, label, method_order, paired_differences,
-                     paired_markdown, summarize, sweeps, sweeps_markdown, table_markdown, with_exact_match, write_table_csv)
+from ..methods import label, method_order
+from ..run_stats import DIVERGED_LOSS_RATIO
+from .runs import (paper_federation, divergence_notes, client_blowup_notes, figure_client, find_runs,
+    with_exact_match)
+from .stats import MIN_SEEDS_TO_JUDGE, REFERENCE, paired_differences
+from .tables import (MARK_SEEDS, MAX_TABLE_CLIENTS, METRICS, _seed_note, answers_markdown,
+    client_gsnr_markdown, cost_markdown, distribution_markdown, marked, dynamics_markdown, paired_markdown,
+    summarize, sweeps, sweeps_markdown, table_markdown, write_table_csv)
 
 
 def _intervals(rows) -> bool:

@@ -77,7 +77,7 @@ def cache_key(lm, prompts: list[list[int]], max_new_tokens: int, batch_size: int
 def base_generations(lm, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
                      generate: Callable[[], list[str]]) -> list[str]:
     """The base model's generations for `prompts`: from the cache, else `generate()` (then cached)."""
-    from . import cache_dir
+    from .base import cache_dir
 
     path = cache_dir() / "base-eval" / f"{cache_key(lm, prompts, max_new_tokens, batch_size)}.json"
     try:
