@@ -143,3 +143,59 @@ def test_an_interval_from_two_seeds_or_without_spread_does_not_count():
     # claim 1: pFLAlign − FedAvg 10, 11 → 10.5 ± 6.35, above 0, but from 2 seeds it holds, not clearly
     assert verdict(runs_of({"pflalign": [60, 61], "fedavg": [50, 50]}), "1").outcome == HOLDS
     assert verdict(runs_of({"pflalign": [60, 61, 62], "fedavg": [50, 50, 50]}), "1").outcome == HOLDS_CLEARLY
+
+
+# ---- Dolly (issue 58): the rules of docs/results/table1-dolly/README.md ---------------------------
+from pflalign.analysis.claims import ABOVE, BELOW, NOT_RESOLVED, judge_dolly  # noqa: E402
+
+
+def dolly_verdict(runs, number):
+    return [v for v in judge_dolly(runs) if v.number == number]
+
+
+def test_dolly_pflalign_at_the_top_means_first_or_second_of_the_papers_rows():
+    # second of the paper's rows (FedSA-LoRA above), one paired interval above 0 below it, none below 0
+    runs = runs_of({"fedsa-lora": [56, 57, 58], "pflalign": [52, 53, 54], "fedavg": [50, 50, 50],
+                    "local": [60, 60, 60]})  # Local is no paper row: it does not push pFLAlign to third
+    (v,) = dolly_verdict(runs, "1")
+    assert v.outcome == HOLDS_CLEARLY, v
+    assert "2 of 3 of the paper's rows (3 of 4 with Local)" in v.evidence and "FedSA-LoRA 57.00" in v.evidence
+    # pFLAlign − FedSA-LoRA: −3, −4, −5, an interval below 0: second still, but not clearly
+    runs = runs_of({"fedsa-lora": [55, 57, 59], "pflalign": [52, 53, 54], "fedavg": [50, 50, 50]})
+    assert dolly_verdict(runs, "1")[0].outcome == HOLDS
+    # third: named with the rows above it
+    runs = runs_of({"fedsa-lora": [56, 57, 58], "feddyn": [55, 55, 55], "pflalign": [52, 53, 54]})
+    (v,) = dolly_verdict(runs, "1")
+    assert v.outcome == DOES_NOT_HOLD and "FedDyn 55.00" in v.evidence and "3 of 3" in v.evidence
+
+
+def test_dolly_fedsa_holds_up_unless_below_fedavg_or_local():
+    # FedSA-LoRA − FedAvg: 2, 3, 4 → above 0: holds clearly
+    assert dolly_verdict(runs_of({"fedsa-lora": [52, 53, 54], "fedavg": [50, 50, 50]}), "2")[0].outcome == HOLDS_CLEARLY
+    # −1, 2, 0.5: mean +0.5, the interval spans 0 → holds
+    assert dolly_verdict(runs_of({"fedsa-lora": [49, 52, 50.5], "fedavg": [50, 50, 50]}), "2")[0].outcome == HOLDS
+    # −3, −4, −5: below 0 → does not hold
+    assert dolly_verdict(runs_of({"fedsa-lora": [47, 46, 45], "fedavg": [50, 50, 50]}), "2")[0].outcome == DOES_NOT_HOLD
+    # above FedAvg but below Local: FLAN's collapse test
+    v = dolly_verdict(runs_of({"fedsa-lora": [52, 53, 54], "fedavg": [50, 50, 50], "local": [60, 60, 60]}), "2")[0]
+    assert v.outcome == DOES_NOT_HOLD and "against Local 60.00" in v.evidence
+
+
+def test_dolly_step_size_rows_and_whether_flans_reading_carries_over():
+    base = {"pflalign": [50, 50, 50], "fedavg": [51, 51, 51], "feddyn": [54, 54, 54]}
+    # pFLAlign at lr 0.33 − pFLAlign: 2, 3, 4 → above 0: carries over; FedAvg at 0.16 − FedAvg: 0, 1, −1 → not resolved
+    runs = runs_of({**base, "pflalign@lr=0.33": [52, 53, 54], "fedavg@lr=0.16": [51, 52, 50]})
+    by = {(v.number, v.claim): v for v in judge_dolly(runs)}
+    s1 = next(v for (n, _), v in by.items() if n == "S1")
+    assert s1.outcome == ABOVE and s1.evidence.startswith("+3.00 ± ")
+    s3 = next(v for (n, _), v in by.items() if n == "S3")
+    assert s3.outcome == NOT_RESOLVED
+    s = next(v for (n, _), v in by.items() if n == "S")
+    assert s.outcome == "carries over" and "(53.00) would be 2 of 3 in Table 1" in s.evidence
+    # 1, −1, 3: mean +1, spanning 0 → in part; −2, −3, −4 → does not carry over
+    assert next(v for v in judge_dolly(runs_of({**base, "pflalign@lr=0.33": [51, 49, 53]})) if v.number == "S").outcome \
+        == "in part"
+    worse = runs_of({**base, "pflalign@lr=0.33": [48, 47, 46]})
+    assert next(v for v in judge_dolly(worse) if v.number == "S1").outcome == BELOW
+    assert next(v for v in judge_dolly(worse) if v.number == "S").outcome == "does not carry over"
+    assert "| S1 |" in claims_markdown(runs, TASK, "dolly") and "| S1 |" not in claims_markdown(runs, TASK)

@@ -13,5 +13,5 @@ for r in "$RUNS"/dolly/*/seed*/results.json; do
 done
 n=$(find "$here/runs" -name results.json 2>/dev/null | wc -l)
 echo "runs committed: $n of 39"
-[ "$n" -gt 0 ] && "$PFL" report "$here/runs" --out "$here" --paired pflalign --paired fedavg
+[ "$n" -gt 0 ] && "$PFL" report "$here/runs" --out "$here" --paired pflalign --paired fedavg --paired "pflalign@lr=0.33" --paired "fedavg@lr=0.16" --claims
 exit 0

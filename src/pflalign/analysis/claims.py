@@ -225,14 +225,116 @@ def judge(runs: list[Run], task: str) -> list[Verdict]:
             claim_gsnr_rises_fastest(runs, task), claim_most_consistent(runs)]
 
 
+# ---- Dolly (issue 58): the rules fixed in docs/results/table1-dolly/README.md before its first run ----
+DOLLY_GSNR_CLIENT = "summarization"  # claim 4 on Dolly: its longest free-text answers, as structure_to_text on FLAN
+PAPER_ROWS = tuple(m for m in TABLE1_METHODS if m != LOCAL)  # the paper's ten rows (no Local)
+PFLALIGN_UNCAPPED, FEDAVG_VALIDATED = "pflalign@lr=0.33", "fedavg@lr=0.16"  # the step-size rows
+ABOVE, BELOW, NOT_RESOLVED = "above 0", "below 0", "not resolved"
+
+
+def _sign(p: Paired | None) -> str:
+    """A paired difference read as above 0, below 0 (its whole interval) or not resolved."""
+    if not _has_interval(p):
+        return NOT_JUDGED
+    low, high = p.mean(None) - p.ci(None), p.mean(None) + p.ci(None)
+    return ABOVE if low > 0 else BELOW if high < 0 else NOT_RESOLVED
+
+
+def claim_top_dolly(tasks: list[str], runs: list[Run], rows: list[Row]) -> Verdict:
+    """Dolly's claim 1: pFLAlign first or second of the paper's ten rows; *clearly* if moreover
+    at least one paired interval against a row below it is above 0 and none against any row is
+    below 0 (the README's rule, in this reading)."""
+    claim = "pFLAlign ranks at the top (paper: best with OPT, 'second' with LLaMA)"
+    avg = {row.method: row for row in rows}
+    paper_rows = [row for row in rows if row.method in PAPER_ROWS]
+    if PFLALIGN not in avg or len(paper_rows) < 2:
+        return Verdict("1", claim, NOT_JUDGED, "needs pFLAlign and at least one other of the paper's rows")
+    mine = avg[PFLALIGN]
+    order = sorted(paper_rows, key=lambda row: -row.avg)
+    rank = 1 + sum(row.avg > mine.avg for row in paper_rows)
+    with_local = 1 + sum(row.avg > mine.avg for row in rows if row.method in TABLE1_METHODS)
+    paired = _paired(tasks, runs, PFLALIGN)
+    above = [row for row in order if row.avg > mine.avg]
+    evidence = (f"pFLAlign's Avg is {mine.avg:.2f}, {rank} of {len(paper_rows)} of the paper's rows "
+                f"({with_local} of {sum(r.method in TABLE1_METHODS for r in rows)} with Local)")
+    if above:
+        evidence += "; above it: " + "; ".join(f"{label(row.method)} {row.avg:.2f} (pFLAlign − it: "
+                                               f"{_diff(paired.get(row.method))})" for row in above)
+    if rank > 2:
+        return Verdict("1", claim, DOES_NOT_HOLD, evidence)
+    below = [row.method for row in paper_rows if row.avg < mine.avg]
+    clearly = (any(_sign(paired.get(m)) == ABOVE for m in below)
+               and not any(_sign(paired.get(row.method)) == BELOW for row in paper_rows if row.method != PFLALIGN))
+    return Verdict("1", claim, HOLDS_CLEARLY if clearly else HOLDS, evidence)
+
+
+def claim_fedsa_holds_up(tasks: list[str], runs: list[Run], rows: list[Row]) -> Verdict:
+    """Dolly's claim 2: FedSA-LoRA − FedAvg ≥ 0 in the mean (clearly: its interval above 0); it
+    fails when that interval is below 0 or FedSA-LoRA falls below Local (FLAN's collapse test)."""
+    claim = "FedSA-LoRA does not collapse on Dolly (paper, LLaMA: FedSA-LoRA − FedAvg = +2.67)"
+    avg = {row.method: row.avg for row in rows}
+    if FEDAVG not in avg or FEDSA not in avg:
+        return Verdict("2", claim, NOT_JUDGED, "needs FedAvg and FedSA-LoRA")
+    p = _paired(tasks, runs, FEDSA).get(FEDAVG)
+    evidence = f"FedSA-LoRA − FedAvg on Avg: {_diff(p)}"
+    local = avg.get(LOCAL)
+    if local is not None:
+        evidence += f"; FedSA-LoRA {avg[FEDSA]:.2f} against Local {local:.2f}"
+    if p is None or p.mean(None) is None:
+        return Verdict("2", claim, NOT_JUDGED, evidence)
+    if _sign(p) == BELOW or (local is not None and avg[FEDSA] < local):
+        return Verdict("2", claim, DOES_NOT_HOLD, evidence)
+    if p.mean(None) < 0:
+        return Verdict("2", claim, DOES_NOT_HOLD + " (below FedAvg in the mean, the interval spanning 0)", evidence)
+    return Verdict("2", claim, HOLDS_CLEARLY if _sign(p) == ABOVE else HOLDS, evidence)
+
+
+def step_size_verdicts(tasks: list[str], runs: list[Run], rows: list[Row]) -> list[Verdict]:
+    """S1-S3 and whether FLAN's step-size reading carries over (docs/results/table1-dolly/README.md)."""
+    def pair(reference: str, other: str) -> Paired | None:
+        return _paired(tasks, runs, reference).get(other)
+
+    out = []
+    for number, reference, other in (("S1", PFLALIGN_UNCAPPED, PFLALIGN), ("S2", PFLALIGN_UNCAPPED, FEDAVG),
+                                     ("S2", PFLALIGN_UNCAPPED, FEDAVG_VALIDATED), ("S3", FEDAVG_VALIDATED, FEDAVG)):
+        p = pair(reference, other)
+        out.append(Verdict(number, f"{label(reference)} at its lr − {label(other)}",
+                           _sign(p) if p is not None else NOT_JUDGED, _diff(p)))
+    s1 = pair(PFLALIGN_UNCAPPED, PFLALIGN)
+    claim = "FLAN's step-size reading carries over (S1 above 0)"
+    if s1 is None or s1.mean(None) is None:
+        out.append(Verdict("S", claim, NOT_JUDGED, "needs pFLAlign at lr 0.33 and Table 1's pFLAlign"))
+        return out
+    avg = {row.method: row.avg for row in rows}
+    table = sorted((row.avg for row in rows if row.method in TABLE1_METHODS and row.method != PFLALIGN), reverse=True)
+    place = (f"; pFLAlign at lr 0.33 ({avg[PFLALIGN_UNCAPPED]:.2f}) would be {1 + sum(a > avg[PFLALIGN_UNCAPPED] for a in table)}"
+             f" of {len(table) + 1} in Table 1" if PFLALIGN_UNCAPPED in avg else "")
+    sign = _sign(s1)
+    outcome = ("carries over" if sign == ABOVE else "in part" if s1.mean(None) > 0 else "does not carry over")
+    if sign == NOT_JUDGED:
+        outcome = NOT_JUDGED + f" (mean {s1.mean(None):+.2f})"
+    out.append(Verdict("S", claim, outcome, f"S1 {_diff(s1)}{place}"))
+    return out
+
+
+def judge_dolly(runs: list[Run]) -> list[Verdict]:
+    """Dolly's claims (1, 2; 3, 4, 5 by FLAN's rules, 4 on `DOLLY_GSNR_CLIENT`) and the step-size rows."""
+    tasks, rows = summarize(runs)
+    return [claim_top_dolly(tasks, runs, rows), claim_fedsa_holds_up(tasks, runs, rows),
+            *(claim_trails(tasks, runs, rows, m) for m in TRAILING),
+            claim_gsnr_rises_fastest(runs, DOLLY_GSNR_CLIENT), claim_most_consistent(runs),
+            *step_size_verdicts(tasks, runs, rows)]
+
+
 def missing_runs(runs: list[Run]) -> list[str]:
     """Table 1's method × seed cells (TABLE1_METHODS × seeds 0..TABLE1_SEEDS−1) without a run."""
     have = {(r.method, r.seed) for r in runs}
     return [f"{label(m)} seed {s}" for m in TABLE1_METHODS for s in range(TABLE1_SEEDS) if (m, s) not in have]
 
 
-def claims_markdown(runs: list[Run], task: str) -> str:
-    """The verdicts as a table, headed by whether Table 1's grid is complete (else: provisional)."""
+def claims_markdown(runs: list[Run], task: str, dataset: str = "flan") -> str:
+    """The verdicts as a table, headed by whether Table 1's grid is complete (else: provisional);
+    `dataset` "dolly": Dolly's rules (`judge_dolly`), else FLAN's (`judge`, claim 4 on `task`)."""
     missing = missing_runs(runs)
     total = len(TABLE1_METHODS) * TABLE1_SEEDS
     if missing:
@@ -241,7 +343,8 @@ def claims_markdown(runs: list[Run], task: str) -> str:
     else:
         head = f"All {total} runs of Table 1 are in ({len(TABLE1_METHODS)} methods × {TABLE1_SEEDS} seeds)."
     lines = [head, "", "| # | The paper's claim | Verdict | On what |", "| :-- | :-- | :-- | :-- |"]
-    lines += [f"| {v.number} | {v.claim} | {v.outcome} | {v.evidence} |" for v in judge(runs, task)]
+    verdicts = judge_dolly(runs) if dataset == "dolly" else judge(runs, task)
+    lines += [f"| {v.number} | {v.claim} | {v.outcome} | {v.evidence} |" for v in verdicts]
     diverged = _diverged(summarize(runs)[1], TABLE1_METHODS)
     if diverged:
         lines += ["", f"† Diverged runs count in these verdicts as in the table's means (the rules make no "

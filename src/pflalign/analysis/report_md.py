@@ -159,11 +159,13 @@ def write_report(root: Path | str | list[Path | str], out: Path | str, client: s
                       f"category: {', '.join(FLAN_PAPER_CATEGORIES)}, or {', '.join(DOLLY_PAPER_CATEGORIES)}; "
                       "these runs are not one of them, so they are not judged here.)", ""]
         elif claims:
+            rules = ("docs/results/table1-dolly/README.md (\"The rules\")" if paper == "dolly" else
+                     "docs/results/table1-flan/README.md (\"The claims to check\")")
             lines += ["### The paper's claims", "",
-                      "Judged by the rules fixed in docs/results/table1-flan/README.md (\"The claims to check\"), "
+                      f"Judged by the rules fixed in {rules}, "
                       "on personalized ROUGE-L ×100 whatever the tables show: means over seeds, and paired "
                       "differences with their 95% intervals (Student's t over the seeds both ran).", "",
-                      claims_markdown(mine, gsnr_client)]
+                      claims_markdown(mine, gsnr_client, paper)]
         lines += ["### Run time", "", "Wall-clock seconds on the machine that made the runs (training per round "
                   "without the optional per-round evaluation; final evaluation of all clients).", "",
                   cost_markdown(mine)]
