@@ -13,5 +13,9 @@ for r in "$RUNS"/dolly/*/seed*/results.json; do
 done
 n=$(find "$here/runs" -name results.json 2>/dev/null | wc -l)
 echo "runs committed: $n of 39"
-[ "$n" -gt 0 ] && "$PFL" report "$here/runs" --out "$here" --paired pflalign --paired fedavg --paired "pflalign@lr=0.33" --paired "fedavg@lr=0.16" --claims
+paired=()  # the rows that have a finished run (report refuses --paired of a row without one)
+for m in pflalign fedavg "pflalign@lr=0.33" "fedavg@lr=0.16"; do
+  ls "$here"/runs/dolly/"$m"/seed*/results.json >/dev/null 2>&1 && paired+=(--paired "$m")
+done
+[ "$n" -gt 0 ] && "$PFL" report "$here/runs" --out "$here" "${paired[@]}" --claims
 exit 0
