@@ -373,14 +373,22 @@ def train_flops(params: dict, config, batch: int, seq: int) -> dict:
             "formula": "tokens*(4*N_base_linear + 6*N_lora + 4*V*H + 6*L*T*H)"}
 
 
-def time_training(lm, config, device: str, batch: int, seq: int, warmup: int, steps: int,
-                  autocast: bool = False) -> dict:
-    """`autocast`: an experiment, not the library's path: the step under torch.autocast(bfloat16),
-    so that the float32 adapters' matmuls run on bf16 tensor cores (their float32 copies stay the
-    master weights), as the HF Trainer's bf16=True does."""
+def random_batch(config, batch: int, seq: int, device: str | None = None) -> dict:
+    """The timed batch: `batch` x `seq` random token ids (seed 0), every token labelled."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, config.vocab_size, (batch, seq), generator=gen)
-    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    ids = ids if device is None else ids.to(device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def bf16_autocast(device: str, enabled: bool):
+    """torch.autocast(bfloat16) on `device`'s type (a no-op context when not `enabled`)."""
+    return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=enabled)
+
+
+def timed_steps(step, device: str, batch: int, seq: int, warmup: int, steps: int) -> dict:
+    """`step()` (one training step; returns its loss) `warmup` + `steps` times: the mean of the
+    timed steps, tokens/s, the first loss, peak memory on a GPU."""
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -388,23 +396,36 @@ def time_training(lm, config, device: str, batch: int, seq: int, warmup: int, st
     for i in range(warmup + steps):
         sync(device)
         t = time.perf_counter()
-        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
+        loss = step()
+        sync(device)
+        losses.append(loss)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    mean = sum(times) / len(times)
+    out = {"batch": batch, "seq": seq, "timed_steps": steps, "step_seconds": mean,
+           "step_seconds_min": min(times), "tokens_per_s": batch * seq / mean, "first_loss": losses[0],
+           "losses_finite": all(math.isfinite(x) for x in losses[warmup:])}
+    if device.startswith("cuda"):
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    return out
+
+
+def time_training(lm, config, device: str, batch: int, seq: int, warmup: int, steps: int,
+                  autocast: bool = False) -> dict:
+    """`autocast`: an experiment, not the library's path: the step under torch.autocast(bfloat16),
+    so that the float32 adapters' matmuls run on bf16 tensor cores (their float32 copies stay the
+    master weights), as the HF Trainer's bf16=True does."""
+    data = random_batch(config, batch, seq)
+
+    def step() -> float:
+        with bf16_autocast(device, autocast):
             loss, grads = lm.loss_and_grads(data, unpadded=False)  # the padded batch, as on a GPU
         with torch.no_grad():  # plain SGD, as FedAvg's client (its cost: a few adapter-sized ops)
             for n, p in lm.lora.items():
                 p.sub_(grads[n], alpha=1e-4)
-        sync(device)
-        first = loss if i == 0 else first
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-            losses.append(loss)
-    step = sum(times) / len(times)
-    out = {"batch": batch, "seq": seq, "timed_steps": steps, "step_seconds": step,
-           "step_seconds_min": min(times), "tokens_per_s": batch * seq / step, "first_loss": first,
-           "losses_finite": all(math.isfinite(x) for x in losses)}
-    if device.startswith("cuda"):
-        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-    return out
+        return loss
+
+    return timed_steps(step, device, batch, seq, warmup, steps)
 
 
 def profile_step(lm, config, device: str, batch: int, seq: int, top: int = 15) -> dict:
@@ -443,33 +464,18 @@ def time_hf_training(model, config, device: str, batch: int, seq: int, warmup: i
                      autocast: bool) -> dict:
     """The user's step: ``model(**batch).loss.backward()`` and ``torch.optim.SGD``; `autocast`: under
     torch.autocast(bfloat16), as the HF Trainer's ``bf16=True`` runs it. Same batch as `time_training`."""
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, config.vocab_size, (batch, seq), generator=gen).to(device)
-    data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    data = random_batch(config, batch, seq, device)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for i in range(warmup + steps):
-        sync(device)
-        t = time.perf_counter()
-        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
+
+    def step() -> float:
+        with bf16_autocast(device, autocast):  # the forward only, as torch's autocast recipe says
             loss = model(**data).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        sync(device)
-        losses.append(loss.item())
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    step = sum(times) / len(times)
-    out = {"batch": batch, "seq": seq, "timed_steps": steps, "step_seconds": step,
-           "step_seconds_min": min(times), "tokens_per_s": batch * seq / step, "first_loss": losses[0],
-           "losses_finite": all(math.isfinite(x) for x in losses)}
-    if device.startswith("cuda"):
-        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-    return out
+        return loss.item()
+
+    return timed_steps(step, device, batch, seq, warmup, steps)
 
 
 # the shapes issue 55 measured the anchor at: (architecture, batch, tokens)
