@@ -66,7 +66,7 @@ def test_scoring_out_of_memory_names_the_model_and_the_eval_batch(setup, monkeyp
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(run_client, "score_client", no_memory)
-    with pytest.raises(OutOfMemory, match=r"out of memory scoring client 0's personalized model with "
+    with pytest.raises(OutOfMemory, match=r"out of memory scoring client 0 \(arithmetic\)'s personalized model with "
                                           r"eval.batch_size=4, .*lower eval.batch_size"):
         client_app.evaluate(_message(cfg, server, MessageType.EVALUATE), context)
 

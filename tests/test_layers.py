@@ -33,7 +33,7 @@ LAYERS: list[dict[str, list[str]]] = [
         "setup": ["config", "partition", "run.data_cache"],
     },
     {
-        "client": ["run.client", "run.lockstep", "run.workers", "run.export"],  # the client side, both engines
+        "client": ["run.client", "run.lockstep", "run.jobs", "run.workers", "run.export"],  # the client side, both engines
         "server": ["run.server"],  # the server side, both engines: the method's server rule, w^r, server state
         "lifecycle": ["run.lifecycle"],  # the run folder and its bookkeeping: needs no client code
     },
@@ -44,7 +44,7 @@ LAYERS: list[dict[str, list[str]]] = [
                      "analysis.figures", "analysis.claims"],  # beside the engines, no training code
     },
     {
-        "top": ["pflalign", "__main__", "cli", "api", "commands", "sweep"],
+        "top": ["pflalign", "__main__", "cli", "api", "commands", "sweep", "run.rescore"],  # rescore: a run of the engine
     },
 ]
 # report, figures and claims read run folders: they may use the bottom layer and the methods'

@@ -107,16 +107,16 @@ def test_cosine_never_trains_a_round_at_lr_0(rounds):
 
 
 def test_the_engine_trains_each_round_at_the_scheduled_lr(tmp_path, monkeypatch):
-    import pflalign.run.workers as workers
+    import pflalign.run.jobs as jobs
 
     seen = []
-    real = workers.local_round
+    real = jobs.local_round
 
     def spy(lm, method, state, glob, received, batches, lr, round_index, *rest):
         seen.append((round_index, lr))
         return real(lm, method, state, glob, received, batches, lr, round_index, *rest)
 
-    monkeypatch.setattr(workers, "local_round", spy)
+    monkeypatch.setattr(jobs, "local_round", spy)
     over = {**json.loads(json.dumps(TINY)), "method": "fedavg", "rounds": 3, "lr": 0.2,
             "optimizer": {"schedule": "cosine", "min_lr": 0.02}, "eval": {**TINY["eval"], "base_model": False}}
     run_in_process(build_config(None, over), tmp_path / "run", progress=False)

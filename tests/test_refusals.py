@@ -142,26 +142,26 @@ def test_a_full_disk_while_the_final_adapters_are_written_is_one_line_and_resume
 def test_out_of_memory_is_one_line_naming_the_sizes_and_the_checkpoint_resumes(capsys, tmp_path, monkeypatch, where):
     import torch
 
-    from pflalign.run import workers
+    from pflalign.run import jobs
 
     args = ["run", *TINY_SET, "--set", "rounds=2", "--no-progress", "--out"]
     if where == "training":  # CUDA's allocator in client 0's second round (round index 1)
-        local_round = workers.local_round
+        local_round = jobs.local_round
 
         def step(*a, **k):
             if a[7] == 1:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             return local_round(*a, **k)
 
-        monkeypatch.setattr(workers, "local_round", step)
+        monkeypatch.setattr(jobs, "local_round", step)
         needle, kept = ("out of memory training client 0 (arithmetic) with batch_size=2, max_seq_len=64, model "
                         "tiny-llama: lower batch_size or max_seq_len"), 1
     else:  # a CPU MemoryError in the final evaluation
         def score(*a, **k):
             raise MemoryError()
 
-        monkeypatch.setattr(workers, "score_client", score)
-        needle, kept = ("out of memory scoring client 0's personalized model with eval.batch_size=", 2)
+        monkeypatch.setattr(jobs, "score_client", score)
+        needle, kept = ("out of memory scoring client 0 (arithmetic)'s personalized model with eval.batch_size=", 2)
     out = tmp_path / "run"
     err = _error(capsys, [*args, str(out)])
     assert needle in err and "model tiny-llama" in err, err

@@ -540,7 +540,7 @@ def test_training_figures_draw_a_rescored_run_once(sweep_dir, tmp_path, monkeypa
     import shutil
 
     from pflalign.analysis import figures
-    from pflalign.run.engine import rescore
+    from pflalign.run.rescore import rescore
 
     root = tmp_path / "runs" / "synthetic"
     shutil.copytree(sweep_dir / "synthetic" / "pflalign", root / "pflalign")

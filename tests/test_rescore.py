@@ -8,7 +8,8 @@ import pytest
 
 from pflalign import checkpoint as ckpt
 from pflalign.cli import main
-from pflalign.run.engine import rescore, run
+from pflalign.run.engine import run
+from pflalign.run.rescore import rescore
 from pflalign.errors import UserError
 
 from test_engine import tiny_config

@@ -145,7 +145,7 @@ def test_the_costliest_start_first_within_a_window_of_the_next_2n(tmp_path, monk
     """Costs rising with the job index: unbounded, the last job would start first and every
     result before it would wait in the engine. Within the window only jobs fewer than 2 x workers
     ahead of the next one handed back start, so at most that many results are ever held."""
-    from pflalign.run.workers import ScoreJob
+    from pflalign.run.jobs import ScoreJob
 
     cfg = config("fedavg")
     fed = Federation(cfg, progress=False, out=tmp_path, workers=2)

@@ -109,7 +109,7 @@ def cmd_sweep(args) -> int:
 
 def cmd_rescore(args) -> int:
     from .config import parse_set
-    from .run.engine import rescore
+    from .run.rescore import rescore
 
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")

@@ -266,7 +266,7 @@ def train(msg: Message, context: Context) -> Message:
     layout (privacy.py): the same round, with w^r from ``fitins.parameters`` and the upload
     (masked by `secaggplus_mod` after this returns) in ``fitres.parameters``."""
     from ..run.client import train_client
-    from ..run.workers import training_out_of_memory
+    from ..run.jobs import training_out_of_memory
     from . import privacy, wire
 
     tic = time.perf_counter()
@@ -312,7 +312,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     from .. import checkpoint as ckpt
     from ..run import export
     from ..run.client import score_client
-    from ..run.workers import scoring_out_of_memory
+    from ..run.jobs import scoring_out_of_memory
     from . import wire
 
     cfg, conf, lm, client, method, folder = _setup(msg, context)
@@ -325,7 +325,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     outputs, reply = {}, _info(client)
     jobs = [("personalized", personal), ("global", global_params)] + ([("base", None)] if conf.get("base") else [])
     for label, adapter in jobs:
-        with out_of_memory_said(lambda: scoring_out_of_memory(cfg, client.id, label)):
+        with out_of_memory_said(lambda: scoring_out_of_memory(cfg, client.id, label, client.name)):
             score, outputs[label] = score_client(lm, test, adapter, cfg, f"eval {label} {client.name}", False)
         reply["metrics"][f"rouge_l_{label}"] = score
     reply["metrics"]["n_test"] = len(test)

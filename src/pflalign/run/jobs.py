@@ -1,0 +1,174 @@
+"""A client's jobs: one round's training (`TrainJob`), one model's scoring (`ScoreJob`), and the
+functions that run them on a `ClientSide` (a process's model, method, config and client files).
+
+Both runners of `pflalign.run.workers` call `run_job`: in the engine's own process (`Inline`) or
+in a worker process (`Processes`); a job is a pure function of what it is given, so where it runs
+does not change its result. `run_train_jobs_lockstep` runs a round's jobs together (--batch clients).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import allocator
+from .client import ClientRound, client_lr, local_round, score_client
+from .client_store import ClientRecord, ClientStore
+from .lockstep import lockstep_round
+from ..data import Example
+from ..errors import OutOfMemory, TrainingDiverged
+from ..methods.base import Method, Params
+
+
+# ---- the jobs -------------------------------------------------------------------
+@dataclass
+class TrainJob:
+    """Client k's round `round`: its minibatches, and its record (which file holds its state)."""
+
+    k: int
+    round: int
+    record: ClientRecord
+    batches: list[dict]
+
+
+@dataclass
+class TrainDone:
+    k: int
+    result: ClientRound  # its personalized adapter is in the client's new file, not here
+    record: ClientRecord  # that file
+    seconds: float
+
+
+@dataclass
+class ScoreJob:
+    """Client k's `test` examples with one of its models: "personalized" (after aggregation, as
+    its method defines it; w^r before its first round), "global" or "base" (adapter off)."""
+
+    k: int
+    model: str
+    record: ClientRecord
+    test: list[Example]
+    desc: str
+
+
+@dataclass
+class ScoreDone:
+    k: int
+    score: float
+    predictions: list[str]
+    seconds: float
+
+
+@dataclass
+class ClientSide:
+    """What a process needs to run jobs: its model, the method, the config, the clients' files,
+    and w^0 (a client's first state starts from it)."""
+
+    lm: object  # model.FederatedLM
+    method: Method
+    cfg: object  # config.RunConfig
+    store: ClientStore
+    initial_params: Params
+
+
+def personalized_adapter(side: ClientSide, k: int, record: ClientRecord, global_params: Params) -> Params:
+    """Client k's personalized adapter as evaluated (`Method.personalized_after_aggregation`), from
+    the file `record` names; w^r when it has not trained yet."""
+    if record.file is None:
+        return global_params
+    side.store.records[k] = record
+    state, personalized = side.store.load(k, side.lm.device)
+    return side.method.personalized_after_aggregation(global_params, personalized, state)
+
+
+def run_train_job(side: ClientSide, job: TrainJob, shared: dict,
+                  on_step: Callable[[int, float], None] | None = None) -> TrainDone:
+    """Client k's round: its state from its file (w^0's fresh state before its first round), T
+    local steps, its new state and personalized adapter into its next file."""
+    tic = time.perf_counter()
+    side.store.records[job.k] = job.record
+    loaded = side.store.load(job.k, side.lm.device)
+    state, _ = loaded if loaded is not None else (side.method.init_client_state(side.initial_params), None)
+    try:
+        result = local_round(side.lm, side.method, state, shared["global"], shared["received"], job.batches,
+                             client_lr(side.cfg, job.round), job.round, on_step, side.cfg.optimizer)
+    except TrainingDiverged as exc:
+        raise TrainingDiverged(f"client {job.k} ({job.record.name}): {exc}") from None
+    # its new state, under a name no checkpoint knows yet (a crash before the round's
+    # checkpoint leaves the previous file in force)
+    side.store.save(job.k, job.round + 1, state, result.personalized)
+    result.personalized = None  # in its file now
+    allocator.release_free_memory()  # the client's activations: not kept past it
+    return TrainDone(job.k, result, side.store.records[job.k], time.perf_counter() - tic)
+
+
+def run_train_jobs_lockstep(side: ClientSide, jobs: list[TrainJob], shared: dict,
+                            on_step: Callable[[int, int, float], None] | None = None) -> list[TrainDone]:
+    """The clients of `jobs` (one round's) trained in lockstep (`lockstep.lockstep_round`): each
+    one's state from its file, its new state and personalized adapter into its next file, as
+    `run_train_job` does for one. Each client's seconds: the lockstep's share, total / clients."""
+    tic = time.perf_counter()
+    states = []
+    for job in jobs:
+        side.store.records[job.k] = job.record
+        loaded = side.store.load(job.k, side.lm.device)
+        states.append(loaded[0] if loaded is not None else side.method.init_client_state(side.initial_params))
+    r = jobs[0].round
+    try:
+        results = lockstep_round(side.lm, side.method, states, shared["global"], shared["received"],
+                                 [job.batches for job in jobs], client_lr(side.cfg, r), r,
+                                 [f"{job.k} ({job.record.name})" for job in jobs], on_step, side.cfg.optimizer)
+    except (torch.OutOfMemoryError, MemoryError):
+        raise OutOfMemory(f"out of memory training {len(jobs)} clients in lockstep (--batch clients) with "
+                          f"batch_size={side.cfg.batch_size}, max_seq_len={side.cfg.max_seq_len}, model "
+                          f"{side.cfg.model}: run without --batch clients, or lower batch_size or max_seq_len") from None
+    done = []
+    seconds = (time.perf_counter() - tic) / len(jobs)
+    for job, state, result in zip(jobs, states, results):
+        side.store.save(job.k, job.round + 1, state, result.personalized)
+        result.personalized = None  # in its file now
+        done.append(TrainDone(job.k, result, side.store.records[job.k], seconds))
+    allocator.release_free_memory()
+    return done
+
+
+def run_score_job(side: ClientSide, job: ScoreJob, shared: dict, progress: bool = False) -> ScoreDone:
+    tic = time.perf_counter()
+    adapter = (None if job.model == "base" else shared["global"] if job.model == "global"
+               else personalized_adapter(side, job.k, job.record, shared["global"]))
+    score, predictions = score_client(side.lm, job.test, adapter, side.cfg, job.desc, progress)
+    return ScoreDone(job.k, score, predictions, time.perf_counter() - tic)
+
+
+def run_job(side: ClientSide, job, shared: dict, progress: bool = False, on_step=None):
+    """`job` (a `TrainJob` or a `ScoreJob`) on `side`; running out of memory is an `OutOfMemory` naming what to lower."""
+    try:
+        if isinstance(job, TrainJob):
+            return run_train_job(side, job, shared, on_step)
+        return run_score_job(side, job, shared, progress)
+    except (torch.OutOfMemoryError, MemoryError):  # a GPU's, or this process's (also in a worker)
+        raise OutOfMemory(out_of_memory(side.cfg, job)) from None
+
+
+def out_of_memory(cfg, job) -> str:
+    """What ran out of memory, with the settings that size it and what to lower."""
+    if isinstance(job, TrainJob):
+        return training_out_of_memory(cfg, job.k, job.record.name)
+    return scoring_out_of_memory(cfg, job.k, job.model, job.record.name)
+
+
+def training_out_of_memory(cfg, k: int, name: str) -> str:
+    """`out_of_memory` for client k's training (also the Flower ClientApp's)."""
+    return (f"out of memory training client {k} ({name}) with batch_size={cfg.batch_size}, "
+            f"max_seq_len={cfg.max_seq_len}, model {cfg.model}: lower batch_size or max_seq_len, or use a "
+            "smaller model")
+
+
+def scoring_out_of_memory(cfg, k: int, model: str, name: str) -> str:
+    """`out_of_memory` for scoring client k's (`name`'s) `model` ("personalized", "global", "base")."""
+    return (f"out of memory scoring client {k} ({name})'s {model} model with eval.batch_size={cfg.eval.batch_size}, "
+            f"max_seq_len={cfg.max_seq_len}, eval.max_new_tokens={cfg.eval.max_new_tokens}, model {cfg.model}: "
+            "lower eval.batch_size (or max_seq_len), or use a smaller model")
