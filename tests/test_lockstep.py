@@ -231,3 +231,49 @@ def test_divergence_names_the_client_and_keeps_the_last_checkpoint(tmp_path):
         run(None, out, resume=True, progress=False, batch="clients", allow_recipe_change=True)
     assert ((out / ckpt.CHECKPOINT).read_bytes(), (out / ckpt.METRICS).read_bytes()) == before
     assert not (out / ckpt.RESULTS).exists()
+
+
+def test_a_pass_that_runs_out_of_memory_is_split_and_the_size_that_fit_is_kept(tiny_llama, monkeypatch):
+    """A device that holds at most 2 clients' activations (an OutOfMemoryError above that, as
+    CUDA raises it): 5 clients in lockstep are run 2, 2, 1 per pass, the size kept for the next
+    step, and each client's round is still its own (`local_round` alone)."""
+    from pflalign.run.lockstep import PassSize
+
+    lm = tiny_llama
+    rule = METHODS["fedavg"]()
+    w0 = lm.get_lora()
+    steps = [[batch(lm, [30 + 10 * k, 50], 40 + 2 * k + t) for t in range(2)] for k in range(5)]
+    received = rule.broadcast(w0, rule.init_server_state(w0))
+    real, passes = type(lm).routed_loss_and_grads, []
+
+    def small_device(self, batches, adapters, *args, **kwargs):
+        passes.append(len(batches))
+        if len(batches) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real(self, batches, adapters, *args, **kwargs)
+
+    monkeypatch.setattr(type(lm), "routed_loss_and_grads", small_device)
+    size = PassSize()
+    states = [rule.init_client_state(w0) for _ in steps]
+    together = lockstep_round(lm, rule, states, w0, received, steps, 0.5, 0, list("abcde"), size=size)
+    assert passes == [5, 3, 2, 2, 1, 2, 2, 1]  # step 0: all, then halves (3 is too many), 2, 2, 1; step 1 at 2
+    assert size.clients == 2
+    monkeypatch.undo()
+    for k, batches in enumerate(steps):
+        alone = local_round(lm, rule, rule.init_client_state(w0), w0, received, batches, 0.5, 0)
+        assert together[k].losses == pytest.approx(alone.losses, rel=TOL)
+        assert_close_params(together[k].personalized, alone.personalized, f"client {k}")
+    lm.set_lora(w0)
+
+
+def test_one_client_that_does_not_fit_is_the_callers_out_of_memory(tiny_llama, monkeypatch):
+    from pflalign.run.lockstep import PassSize, shared_pass
+
+    lm = tiny_llama
+
+    def no_device(self, batches, adapters, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(type(lm), "routed_loss_and_grads", no_device)
+    with pytest.raises(torch.OutOfMemoryError):
+        shared_pass(lm, [batch(lm, [20], 1), batch(lm, [20], 2)], adapters_apart(lm, 2), PassSize())

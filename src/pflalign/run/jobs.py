@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from . import allocator
 from .client import ClientRound, client_lr, local_round, score_client
 from .client_store import ClientRecord, ClientStore
-from .lockstep import lockstep_round
+from .lockstep import PassSize, lockstep_round
 from ..data import Example
 from ..errors import OutOfMemory, TrainingDiverged
 from ..methods.base import Method, Params
@@ -72,6 +72,7 @@ class ClientSide:
     cfg: object  # config.RunConfig
     store: ClientStore
     initial_params: Params
+    pass_size: PassSize = field(default_factory=PassSize)  # --batch clients: how many share a pass (kept)
 
 
 def personalized_adapter(side: ClientSide, k: int, record: ClientRecord, global_params: Params) -> Params:
@@ -120,7 +121,8 @@ def run_train_jobs_lockstep(side: ClientSide, jobs: list[TrainJob], shared: dict
     try:
         results = lockstep_round(side.lm, side.method, states, shared["global"], shared["received"],
                                  [job.batches for job in jobs], client_lr(side.cfg, r), r,
-                                 [f"{job.k} ({job.record.name})" for job in jobs], on_step, side.cfg.optimizer)
+                                 [f"{job.k} ({job.record.name})" for job in jobs], on_step, side.cfg.optimizer,
+                                 side.pass_size)
     except (torch.OutOfMemoryError, MemoryError):
         raise OutOfMemory(f"out of memory training {len(jobs)} clients in lockstep (--batch clients) with "
                           f"batch_size={side.cfg.batch_size}, max_seq_len={side.cfg.max_seq_len}, model "

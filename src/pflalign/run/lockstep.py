@@ -19,10 +19,16 @@ So every method computes what the sequential engine computes, up to the rounding
 in another order (each row holds other examples beside the client's; tested against the
 sequential engine for every method). A client whose round has fewer steps drops out of the
 shared pass after its last.
+
+How many clients share one pass is chosen to fit the device's memory (`shared_pass`): all of
+them, and where the device runs out of memory, half of them per pass, and so on; the size that
+fit is kept (`PassSize`) for the rest of the run. On a CPU rows are packed and one row's
+activations live at a time, so memory hardly grows with the clients: all share one pass.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -57,14 +63,47 @@ def _loader(live: Params) -> Callable[[Params], None]:
     return load
 
 
+@dataclass
+class PassSize:
+    """The most clients one shared pass takes on this device (None: all of them), lowered when a
+    pass runs out of the device's memory and kept for the run's later passes."""
+
+    clients: int | None = None
+
+
+def shared_pass(lm, batches: list[dict], adapters: list[Params], size: PassSize) -> list[float]:
+    """`lm.routed_loss_and_grads(batches, adapters)` in passes of at most `size.clients` clients;
+    a pass that runs out of the device's memory is run again as two halves (and `size` lowered to
+    the half's), down to one client, whose running out of memory is the caller's. Each client's
+    loss and gradient are its own whichever pass it is in."""
+    limit = len(batches) if size.clients is None else size.clients
+    losses: list[float] = []
+    start = 0
+    while start < len(batches):
+        group = slice(start, start + limit)
+        try:
+            losses += lm.routed_loss_and_grads(batches[group], adapters[group])
+        except torch.OutOfMemoryError:
+            if limit == 1:
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the failed pass's blocks, before the smaller one
+            limit = size.clients = (min(limit, len(batches) - start) + 1) // 2
+            continue  # the same clients again, fewer per pass (their gradients are zeroed first)
+        start += limit
+    return losses
+
+
 def lockstep_round(lm, method: Method, states: list[State], global_params: Params, received: Message,
                    batches: list[list[dict]], lr: float, round_index: int, names: list[str],
                    on_step: Callable[[int, int, float], None] | None = None,
-                   optimizer=None) -> list[ClientRound]:
+                   optimizer=None, size: PassSize | None = None) -> list[ClientRound]:
     """Round `round_index` of the clients whose method states are `states` (updated in place)
     and whose minibatches are `batches[i]`, in lockstep (module docstring): their `ClientRound`s,
     in order. `names[i]` names client i in a divergence's message; `on_step(i, t, loss)` after
-    each client's step."""
+    each client's step; `size`: how many clients one pass takes (`shared_pass`; None: all, lowered
+    on running out of memory for this round only)."""
+    size = PassSize() if size is None else size
     if any(not isinstance(b, dict) for bs in batches for b in bs):
         raise UserError("batched clients do not take gradient accumulation yet "
                         "(optimizer.grad_accumulation > 1): run without --batch clients")
@@ -77,7 +116,7 @@ def lockstep_round(lm, method: Method, states: list[State], global_params: Param
     for t in range(max(len(bs) for bs in batches)):
         active = [i for i, bs in enumerate(batches) if t < len(bs)]
         with torch.enable_grad():
-            losses = lm.routed_loss_and_grads([batches[i][t] for i in active], [live[i] for i in active])
+            losses = shared_pass(lm, [batches[i][t] for i in active], [live[i] for i in active], size)
         for i, loss in zip(active, losses):
             with _named(names[i]):
                 loss = rounds[i].step(t, _gradient(lm, live[i], batches[i][t], loss))
