@@ -25,8 +25,12 @@ Sections, each wrapped so that one failing records its error in the JSON and the
   (r16 alpha32, all linear layers, float32 adapters) and ``torch.optim.SGD``, plain bf16 and under
   ``torch.autocast(bfloat16)`` as the HF Trainer's ``bf16=True``, at LLaMA 4 x 1024 and 4 x 256,
   OPT and SmolLM2 4 x 1024: tokens/s, and ``pflalign_over_best_hf`` against the ``speed`` rows.
+* ``batched``: clients in lockstep (issue 55): SmolLM2-135M and LLaMA-3.2-1B with 1, 4, 12 and
+  44 adapters, FLAN-shaped (4 x 256) and Dolly-shaped (4 x 1024) minibatches each: tokens/s, share
+  of the peak, peak memory, adapters per pass, gain over one adapter (`batched`).
 * ``bill``: the projected device time of one FLAN and one Dolly run at the paper's protocol and
-  of each 33-run Table 1, from those figures (`bill`).
+  of each 33-run Table 1, from those figures (`bill`); ``bill_batched``: a Table 1 in lockstep,
+  clients of a run (built) and all runs' clients (projected) (`bill_batched`).
 
 ``--budget-s`` (420) skips what has not started by then; the correctness runs start within
 their first 240 s. Without rouge-score the correctness runs score ROUGE-L as 0 and say so.
@@ -598,6 +602,126 @@ def speed(device: str, tiny: bool, peak: dict | None) -> dict:
     return out
 
 
+# --- clients in lockstep (issue 55) ---------------------------------------------------------
+
+BATCHED_ARCHS = ("smollm2-135m", "llama-3.2-1b")
+BATCHED_ADAPTERS = (1, 4, 12, 44)  # one client; a round's 4; 3 runs' 12; 11 methods' 44
+BATCHED_SHAPES = {"flan": SHORT_SEQ, "dolly": SEQ}  # tokens per example: FLAN's at most ~250, Dolly's up to 1024
+
+
+def batched(device: str, tiny: bool, peak: dict | None) -> dict:
+    """K adapters trained in lockstep (`--batch clients`' step: `lockstep.shared_pass` over K
+    minibatches of BATCH examples, each through its own adapter, then each adapter's SGD step),
+    for K in BATCHED_ADAPTERS, at FLAN's and Dolly's example lengths: tokens/s, its share of the
+    measured bf16 peak (`train_flops` over all K batches), peak memory, how many adapters one pass
+    took (`clients_per_pass`: fewer than K where the device ran out of memory), and
+    ``over_one_adapter``: tokens/s against K = 1 (issue 55's target: >= 5 at 12 SmolLM2
+    adapters; LLaMA-3.2-1B batched >= 40% of the peak)."""
+    from pflalign.run.lockstep import PassSize, own_adapter, shared_pass
+
+    warmup, steps = (1, 2) if tiny else (1, 3)
+    counts, shapes = ((1, 4, 12), {"flan": 32, "dolly": 64}) if tiny else (BATCHED_ADAPTERS, BATCHED_SHAPES)
+    batch = 2 if tiny else BATCH
+    peak_tflops = peak.get("tflops") if isinstance(peak, dict) else None
+    out = {}
+    for name in BATCHED_ARCHS:
+        if out_of_time():
+            out[name] = {"error": "skipped: --budget-s spent"}
+            continue
+        try:
+            lm, config = build_arch(name, device, tiny)
+            params = count_params(lm)
+            row = {}
+            for shape, seq in shapes.items():
+                size, per = PassSize(), {}
+                for k in counts:
+                    log(f"batched {name} {shape} K={k}")
+                    if out_of_time():
+                        per[str(k)] = {"error": "skipped: --budget-s spent"}
+                        continue
+                    gen = torch.Generator().manual_seed(k)
+                    adapters = []
+                    for _ in range(k):  # adapters apart, as clients' are after a round
+                        live = own_adapter(lm.lora)
+                        with torch.no_grad():
+                            for t in live.values():
+                                t.add_(torch.randn(t.shape, generator=gen).to(t.device) * 1e-3)
+                        adapters.append(live)
+                    batches = []
+                    for j in range(k):
+                        ids = torch.randint(3, config.vocab_size, (batch, seq), generator=gen)
+                        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                        "labels": ids.clone()})
+
+                    def step() -> float:
+                        losses = shared_pass(lm, batches, adapters, size)
+                        with torch.no_grad():  # each client's SGD step, as FedAvg's client takes it
+                            for adapter in adapters:
+                                for p in adapter.values():
+                                    p.sub_(p.grad, alpha=1e-4)
+                        return sum(losses) / len(losses)
+
+                    try:
+                        timing = timed_steps(step, device, k * batch, seq, warmup, steps)
+                    except torch.OutOfMemoryError as exc:  # one client's pass did not fit
+                        per[str(k)] = {"error": f"OutOfMemoryError: {str(exc)[:200]}"}
+                        break
+                    flops = train_flops(params, config, k * batch, seq)["total"]
+                    timing.update(adapters=k, clients_per_pass=size.clients or k,
+                                  tflops=flops / timing["step_seconds"] / 1e12)
+                    if peak_tflops:
+                        timing["share_of_matmul_peak"] = timing["tflops"] / peak_tflops
+                    one = per.get("1", {}).get("tokens_per_s")
+                    if one:
+                        timing["over_one_adapter"] = timing["tokens_per_s"] / one
+                    per[str(k)] = timing
+                    del adapters, batches
+                    if device.startswith("cuda"):
+                        torch.cuda.empty_cache()
+                row[shape] = per
+            out[name] = row
+            del lm
+        except Exception as exc:  # noqa: BLE001  (the next architecture still runs)
+            out[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        log(f"  -> {json.dumps(out[name])[:2000]}")
+    return out
+
+
+def bill_batched(batched_rows: dict, speed_rows: dict) -> dict:
+    """Projected device time of a 33-run Table 1 trained in lockstep, from the ``batched`` figures.
+
+    ``clients`` (what --batch clients does today): each run's 4 clients share a pass, the runs one
+    after another. ``runs`` (issue 55's point 3, projected): every run's clients of a round share
+    passes, TABLE1_RUNS x CLIENTS adapters at the largest measured K's tokens/s. Both add
+    FedSAM's second gradient per client alone (the K = 1 rate; 3 runs x CLIENTS per step), and
+    score 2 models per run plus the base once at the ``speed`` section's generation rate
+    (EVAL_NEW_TOKENS each: an upper bound). Model building, data and checkpoints are left out.
+    Targets: the Dolly Table 1 at SmolLM2-135M <= 12 minutes, LLaMA-3.2-1B's FLAN one <= 1 hour."""
+    out = {"doc": bill_batched.__doc__}
+    steps = ROUNDS * LOCAL_STEPS
+    for name, dataset in (("smollm2-135m", "dolly"), ("smollm2-135m", "flan"), ("llama-3.2-1b", "flan"),
+                          ("llama-3.2-1b", "dolly")):
+        per = batched_rows.get(name, {}).get(dataset, {})
+        rates = {int(k): v["tokens_per_s"] for k, v in per.items() if isinstance(v, dict) and "tokens_per_s" in v}
+        generate = speed_rows.get(name, {}).get("generate", {}).get("tokens_per_s")
+        if 1 not in rates or CLIENTS not in rates or not generate:
+            out[f"{name} {dataset}"] = {"error": "no batched or generation figures for this architecture"}
+            continue
+        seq = BATCHED_SHAPES[dataset]
+        tokens = BATCH * seq  # one client's step
+        widest = max(rates)
+        sam_s = steps * 3 * CLIENTS * tokens / rates[1]  # FedSAM's second gradient, each client alone
+        eval_s = (2 * TABLE1_RUNS + 1) * TEST_PROMPTS[dataset] * EVAL_NEW_TOKENS / generate
+        clients_s = steps * TABLE1_RUNS * CLIENTS * tokens / rates[CLIENTS] + sam_s
+        runs_s = steps * TABLE1_RUNS * CLIENTS * tokens / rates[widest] + sam_s
+        out[f"{name} {dataset}"] = {
+            "adapters_per_pass_measured": widest, "eval_minutes": eval_s / 60,
+            "clients_minutes": (clients_s + eval_s) / 60, "runs_minutes": (runs_s + eval_s) / 60}
+    return out
+
+
 # --- the bill -------------------------------------------------------------------------------
 
 def bill(speed_rows: dict) -> dict:
@@ -642,7 +766,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (tiny shapes, the test)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu.json"))
-    parser.add_argument("--sections", default="matmul_peak,correctness,speed,hf_anchor,bill")
+    parser.add_argument("--sections", default="matmul_peak,correctness,speed,hf_anchor,batched,bill")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--write-reference", action="store_true",
                         help="on CPU: write benchmarks/results/gpu_reference.* from the pinned runs")
@@ -681,8 +805,12 @@ def main(argv=None) -> int:
         section(report, "speed", speed, device, tiny, report.get("matmul_peak"))
     if "hf_anchor" in sections:
         section(report, "hf_anchor", hf_anchor, device, tiny, report.get("speed", {}))
+    if "batched" in sections:
+        section(report, "batched", batched, device, tiny, report.get("matmul_peak"))
     if "bill" in sections:
         section(report, "bill", bill, report.get("speed", {}))
+        if "batched" in report:
+            section(report, "bill_batched", bill_batched, report["batched"], report.get("speed", {}))
     report["total_seconds"] = round(time.time() - start, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

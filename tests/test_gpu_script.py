@@ -48,6 +48,18 @@ def test_bill_by_hand(gpu):
         (3 * 12 * 1000 * 0.5 + 67 * 662 * 128 / 1000) / 3600)
 
 
+def test_batched_bill_by_hand(gpu):
+    rates = {"1": {"tokens_per_s": 1000.0}, "4": {"tokens_per_s": 2000.0}, "44": {"tokens_per_s": 8000.0}}
+    out = gpu.bill_batched({"smollm2-135m": {"dolly": rates}}, {"smollm2-135m": {"generate": {"tokens_per_s": 500.0}}})
+    row = out["smollm2-135m dolly"]
+    tokens, sam = 4 * 1024, 250 * 3 * 4 * 4 * 1024 / 1000  # one client's step; FedSAM's second gradients alone
+    eval_s = 67 * 662 * 128 / 500
+    assert row["adapters_per_pass_measured"] == 44
+    assert row["clients_minutes"] == pytest.approx((250 * 33 * 4 * tokens / 2000 + sam + eval_s) / 60)
+    assert row["runs_minutes"] == pytest.approx((250 * 33 * 4 * tokens / 8000 + sam + eval_s) / 60)
+    assert "error" in out["llama-3.2-1b flan"]  # no figures, no projection
+
+
 def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
     monkeypatch.setenv("PFLALIGN_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "gpu.json"
@@ -77,6 +89,15 @@ def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
     assert report["bill"]["llama-3.2-1b"]["table1_flan_hours"] > 0
     # the HF + PEFT anchor: each shape timed both ways, set beside pflalign's step on the same
     # weights and batch (B = 0 at the start in both: the same function, so the same first loss)
+    # clients in lockstep: every K timed at both shapes, all in one pass on a CPU
+    for name in gpu.BATCHED_ARCHS:
+        for shape in ("flan", "dolly"):
+            per = report["batched"][name][shape]
+            assert sorted(map(int, per)) == [1, 4, 12], per
+            for k, row in per.items():
+                assert row["tokens_per_s"] > 0 and row["losses_finite"] and row["clients_per_pass"] == int(k)
+            assert per["12"]["batch"] == 12 * 2 and per["12"]["over_one_adapter"] > 0
+    assert report["bill_batched"]["smollm2-135m dolly"]["runs_minutes"] > 0
     anchor = report["hf_anchor"]
     assert len(anchor) == len(gpu.HF_SHAPES)
     for key, row in anchor.items():
