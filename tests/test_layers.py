@@ -44,7 +44,8 @@ LAYERS: list[dict[str, list[str]]] = [
                      "analysis.figures", "analysis.claims"],  # beside the engines, no training code
     },
     {
-        "top": ["pflalign", "__main__", "cli", "api", "commands", "sweep", "run.rescore"],  # rescore: a run of the engine
+        "top": ["pflalign", "__main__", "cli", "api", "commands", "sweep", "run.rescore",
+                "run.together"],  # rescore, together: runs of the engine
     },
 ]
 # report, figures and claims read run folders: they may use the bottom layer and the methods'

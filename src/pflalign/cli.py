@@ -161,6 +161,8 @@ BATCH_CHOICES = ("none", "clients")
 BATCH_HELP = ("clients: train a round's clients in lockstep, local step t of all of them in one forward and "
               "backward through the base, each with its own adapter (results equal the one-at-a-time run's to "
               "float rounding; not with --workers > 1 or gradient accumulation); default none: one at a time")
+SWEEP_BATCH_HELP = BATCH_HELP.replace("; default none", "; runs: the runs that share a base model together, "
+                                      "every client of every run in lockstep; default none")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "results): a run found there with the same config is skipped (repeatable)")
     sweep.add_argument("--no-progress", action="store_true", help="no progress bars")
     sweep.add_argument("--workers", type=int, default=1, metavar="N", help=WORKERS_HELP)
-    sweep.add_argument("--batch", choices=BATCH_CHOICES, default="none", help=BATCH_HELP)
+    sweep.add_argument("--batch", choices=BATCH_CHOICES + ("runs",), default="none", help=SWEEP_BATCH_HELP)
     sweep.set_defaults(func=cmd_sweep)
 
     rescore = sub.add_parser("rescore", help="score a finished run's models again under other evaluation settings")

@@ -364,12 +364,15 @@ def _check_same_config(run: PlannedRun) -> None:
 
 
 def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1, batch: str = "none") -> list[dict]:
-    """Run the planned runs one after another (`workers`, `batch`: engine.run's); returns each finished
-    one's results. A run whose training reaches a non-finite value stops (engine.run keeps its last
-    checkpoint) and the sweep goes on with the others: one grid point that blows up does not cost the
-    rest of the grid. Such runs are named, with what happened, in one UserError at the end."""
+    """Run the planned runs one after another (`workers`, `batch`: engine.run's; "runs": those that
+    share a base model together, `run_together`); returns each finished one's results. A run whose
+    training reaches a non-finite value stops (engine.run keeps its last checkpoint) and the sweep
+    goes on with the others: one grid point that blows up does not cost the rest of the grid. Such
+    runs are named, with what happened, in one UserError at the end."""
     from .run.engine import run as run_one
 
+    if batch == "runs":
+        return run_together(runs, progress, workers)
     bar = tqdm(total=len(runs), desc="sweep", unit="run", disable=not progress)
     say = tqdm.write if progress else print
     width = len(str(len(runs)))
@@ -403,3 +406,44 @@ def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1, b
         raise UserError(f"{len(all_results)} of {len(runs)} runs finished; {len(stopped)} stopped on a non-finite "
                         f"value (the same sweep command tries them again): {'; '.join(stopped)}")
     return all_results
+
+
+def run_together(runs: list[PlannedRun], progress: bool = True, workers: int = 1) -> list[dict]:
+    """`run_sweep` with ``--batch runs``: the unfinished runs that share a base model (`base_key`:
+    model, dtype, device, LoRA settings) train in lockstep, one group after another
+    (`pflalign.run.together`); finished runs are skipped, a run that diverges stops alone, as in
+    the sweep one run after another."""
+    from .run.lockstep import check_batch
+    from .run.together import base_key, run_together as train_together
+
+    say = tqdm.write if progress else print
+    for r in runs:
+        check_batch("runs", workers, r.cfg)
+    results: dict[int, dict] = {}
+    stopped = []
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(runs):
+        if r.state() == "finished":
+            results[i] = r.results()
+            say(f"{r.key}: finished earlier, avg ROUGE-L {results[i]['avg_rouge_l_personalized']:.2f}")
+        else:
+            groups.setdefault(base_key(r.cfg), []).append(i)
+    for members in groups.values():
+        say(f"{len(members)} runs in lockstep on {runs[members[0]].cfg.model}: "
+            + ", ".join(runs[i].key for i in members))
+        tic = time.perf_counter()
+        outcomes = train_together([(runs[i].cfg, runs[i].out, runs[i].state() == "unfinished") for i in members],
+                                  progress)
+        minutes = (time.perf_counter() - tic) / 60
+        for i, outcome in zip(members, outcomes):
+            if isinstance(outcome, TrainingDiverged):
+                say(f"{runs[i].key}: stopped: {outcome}")
+                stopped.append(f"{runs[i].key} ({outcome})")
+            else:
+                results[i] = outcome
+                say(f"{runs[i].key}: finished ({len(members)} runs in {minutes:.1f} min), "
+                    f"avg ROUGE-L {outcome['avg_rouge_l_personalized']:.2f}")
+    if stopped:
+        raise UserError(f"{len(results)} of {len(runs)} runs finished; {len(stopped)} stopped on a non-finite "
+                        f"value (the same sweep command tries them again): {'; '.join(stopped)}")
+    return [results[i] for i in sorted(results)]

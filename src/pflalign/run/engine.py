@@ -16,9 +16,8 @@ uses too).
 from __future__ import annotations
 
 import logging
-import shlex
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -30,14 +29,16 @@ from .client import Client, draw_batches, make_client
 from .client_store import ClientStore
 from ..config import RunConfig, make_method, to_dict
 from .data_cache import client_data
-from ..errors import OutOfMemory, RunInterrupted, TrainingDiverged, UserError
+from ..errors import OutOfMemory, TrainingDiverged, UserError
 from ..evaluate import add_exact_match
-from .lifecycle import (LossWatch, Recorder, client_row, eval_clients, results_summary, sample_clients, warn_at_start)
+from .lifecycle import (LossWatch, Recorder, client_row, eval_clients, interrupted, results_summary, sample_clients,
+                        warn_at_start)
 from ..methods.base import Method, Params, clone
-from ..model import build_model, resolve_device
+from ..model import FederatedLM, build_model, resolve_device
 from ..partition import client_shares_described
 from .server import RoundRecord, Server
-from .jobs import ClientSide, ScoreJob, TrainJob, personalized_adapter, run_train_jobs_lockstep
+from .lockstep import check_batch
+from .jobs import ClientSide, ScoreJob, StartedRound, TrainJob, personalized_adapter, run_train_jobs_lockstep
 from .workers import Inline, Processes, bound_workers, check_workers
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,9 @@ class Federation:
     """
 
     def __init__(self, cfg: RunConfig, progress: bool = True, out: Path | str | None = None, workers: int = 1,
-                 batch: str = "none"):
+                 batch: str = "none", shared: tuple[FederatedLM, Params] | None = None):
+        """`shared`: (a model this run shares with others, this run's w^0) for runs trained in
+        lockstep (`--batch runs`, run/together.py), instead of a model of its own."""
         check_workers(workers, resolve_device(cfg.device))
         check_batch(batch, workers, cfg)
         self.cfg = cfg
@@ -68,7 +71,11 @@ class Federation:
                                      len(eval_clients(len(shares), cfg.eval.clients, cfg.seed)))
         # training here: the weights in this process's memory (page cache is the first thing reclaimed
         # under pressure: benchmarks/memory_pressure.py); with workers they train there, mapping one file
-        self.lm = build_model(cfg, in_memory=self.workers == 1)
+        if shared is None:
+            self.lm = build_model(cfg, in_memory=self.workers == 1)
+        else:
+            self.lm = shared[0]
+            self.lm.set_lora(shared[1])
         self.lm.check_max_seq_len(cfg.max_seq_len)
         self.method: Method = make_method(cfg)
         self.server = Server(self.method, self.lm.get_lora(), len(shares))  # w^0: the seeded LoRA initialisation
@@ -126,55 +133,74 @@ class Federation:
     def train(self, rec: Recorder, start: int, end: int, after=lambda r, record, seconds: None) -> int:
         """Rounds start..end-1, each written into `rec`'s run folder, then `after(r, record,
         seconds)` (progress, logs). Returns `end`."""
-        self.store.attach(rec.out)
-        watch = LossWatch(rec, [c.name for c in self.clients])
+        watch = self.attach(rec)
         for r in range(start, end):
             self.in_round = r
             tic = time.perf_counter()
             record = self.train_round(r)  # the sampled clients train, the server aggregates
             seconds = time.perf_counter() - tic
-            rec.round(r, record, seconds)  # the clients' lines, then the round's
-            watch.round(r, record)  # warns once if the loss runs away
-            if self.cfg.eval.every and (r + 1) % self.cfg.eval.every == 0:
-                rec.round_eval(r, self.round_eval(r))
-            rec.save(r + 1, self.checkpoint())
-            self.store.prune()  # after the checkpoint: the client files it no longer names
+            self.keep_round(rec, watch, r, record, seconds)
             after(r, record, seconds)
         self.in_round = None
         return end
 
+    def attach(self, rec: Recorder) -> LossWatch:
+        """The clients' files into `rec`'s run folder; the watch on the run's loss."""
+        self.store.attach(rec.out)
+        return LossWatch(rec, [c.name for c in self.clients])
+
+    def keep_round(self, rec: Recorder, watch: LossWatch, r: int, record: RoundRecord, seconds: float) -> None:
+        """Round r written: its lines, its scores when ``eval.every`` says so, its checkpoint."""
+        rec.round(r, record, seconds)  # the clients' lines, then the round's
+        watch.round(r, record)  # warns once if the loss runs away
+        if self.cfg.eval.every and (r + 1) % self.cfg.eval.every == 0:
+            rec.round_eval(r, self.round_eval(r))
+        rec.save(r + 1, self.checkpoint())
+        self.store.prune()  # after the checkpoint: the client files it no longer names
+
     def train_round(self, r: int) -> RoundRecord:
-        """Round r: the sampled clients train from w^r (side by side with workers > 1) and each
-        message joins the server's sums as it comes back; returns the round's record (w^{r+1})."""
+        """Round r: the sampled clients train from w^r (side by side with workers > 1, in lockstep
+        with --batch clients) and each message joins the server's sums as it comes back; returns
+        the round's record (w^{r+1})."""
+        started = self.start_round(r)
+        if self.batch == "clients":  # every client's step t in one pass (run/lockstep.py)
+            done_jobs = run_train_jobs_lockstep(self.side, started.jobs, started.shared, on_step=started.on_step)
+        else:
+            done_jobs = self.runner.map(started.jobs, started.shared, started.costs, on_step=started.on_step)
+        return self.finish_round(started, done_jobs)
+
+    def start_round(self, r: int) -> StartedRound:
+        """Round r up to its training: the sampled clients, the server's round (p_k known before
+        anyone trains), each client's job, and what the jobs share (w^r, the broadcast)."""
         cfg = self.cfg
         chosen = sample_clients(len(self.clients), cfg.participation, cfg.seed, r)
         bar = tqdm(total=len(chosen) * cfg.local_steps, desc=f"round {r + 1} local steps", leave=False,
                    disable=not self.progress, unit="step")
         received = self.server.broadcast()
-        # p_k is known before anyone trains: each message joins the running sums in client order
-        # and is dropped, so the round holds at most one per worker (memory flat in |S|)
+        # each message joins the running sums in client order and is dropped, so the round holds
+        # at most one per worker (memory flat in |S|)
         plan = self.server.start_round(r, chosen, [self.clients[k].n_train for k in chosen])
         jobs = [self._train_job(r, k) for k in chosen]
-        steps_after = [self.clients[k].steps_taken for k in chosen]
         costs = [float(sum(int(b["attention_mask"].sum()) for step in job.batches  # tokens
                            for b in ([step] if isinstance(step, dict) else step))) for job in jobs]
+        return StartedRound(chosen, plan, jobs, [self.clients[k].steps_taken for k in chosen], costs,
+                            {"global": self.global_params, "received": received}, bar)
+
+    def finish_round(self, started: StartedRound, done_jobs) -> RoundRecord:
+        """The round's end: each client's record kept, its message into the server's sums in
+        client order, the server's aggregation (w^{r+1})."""
         results = []
-        shared = {"global": self.global_params, "received": received}
-        if self.batch == "clients":  # every client's step t in one pass (run/lockstep.py)
-            done_jobs = run_train_jobs_lockstep(self.side, jobs, shared, on_step=lambda i, t, loss: bar.update(1))
-        else:
-            done_jobs = self.runner.map(jobs, shared, costs, on_step=lambda i, t, loss: bar.update(1))
-        for i, (k, done) in enumerate(zip(chosen, done_jobs)):
-            done.record.steps_taken = steps_after[i]
+        for i, (k, done) in enumerate(zip(started.chosen, done_jobs)):
+            done.record.steps_taken = started.steps_after[i]
             self.store.records[k] = done.record
             if self.runner.workers > 1:
-                bar.update(len(done.result.losses))
-            plan.add(i, done.result.message)
+                started.bar.update(len(done.result.losses))
+            started.plan.add(i, done.result.message)
             done.result.message = {}  # in the sums now; the round keeps the metrics only
             done.result.seconds = done.seconds
             results.append(done.result)
-        bar.close()
-        return self.server.finish_round(plan, results)
+        started.bar.close()
+        return self.server.finish_round(started.plan, results)
 
     def _train_job(self, r: int, k: int) -> TrainJob:
         """Client k's round as a job: its next T minibatches (drawn here, a pure function of seed,
@@ -295,21 +321,6 @@ class Federation:
         return _Adapters(self)
 
 
-BATCH_MODES = ("none", "clients")
-
-
-def check_batch(batch: str, workers: int, cfg: RunConfig) -> None:
-    """Refuse a `batch` mode that is not one, or that cannot run with these settings."""
-    if batch not in BATCH_MODES:
-        raise UserError(f"--batch must be one of {', '.join(BATCH_MODES)}, got {batch!r}")
-    if batch == "clients" and workers > 1:
-        raise UserError(f"--batch clients trains a round's clients together in one process; use --workers 1 "
-                        f"(got {workers})")
-    if batch == "clients" and cfg.optimizer.grad_accumulation > 1:
-        raise UserError("--batch clients does not take gradient accumulation yet "
-                        f"(optimizer.grad_accumulation={cfg.optimizer.grad_accumulation}); run without --batch clients")
-
-
 class _Adapters(Mapping):
     """The run's adapters for `export.write_run_adapters`, read one at a time from the clients'
     files (a dict of all of them would hold every client's adapter at once)."""
@@ -337,14 +348,10 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
     `batch` "clients": a round's clients train in lockstep, step t of all in one pass (`pflalign.run.lockstep`).
     `allow_recipe_change`: resume though config.json's training recipe is not the checkpoint's
     (`Recorder.config`)."""
-    rec = Recorder(out, resume, overwrite, allow_recipe_change)
-    cfg = rec.config(cfg)
-    fed = Federation(cfg, progress=progress, out=rec.out, workers=workers, batch=batch)
-    start = fed.restore(rec.checkpoint) if rec.resuming else 0
-    if not rec.resuming:
-        warn_at_start(cfg, fed.method)
-    rec.open(cfg)
-    rec.metrics = tensorboard.wrap(rec.metrics, cfg, rec.out, {c.id: c.name for c in fed.clients})  # log.tensorboard
+    if batch == "runs":
+        raise UserError("--batch runs trains several runs together: use pflalign sweep --batch runs")
+    rec, fed, start = open_run(cfg, out, resume, overwrite, allow_recipe_change, progress, workers, batch)
+    cfg = fed.cfg
     end = cfg.rounds if stop_after is None else min(cfg.rounds, start + stop_after)
     rounds_bar = tqdm(range(start, end), initial=start, total=cfg.rounds, desc="rounds",
                       disable=not progress, unit="round")
@@ -359,33 +366,14 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
     try:
         done = fed.train(rec, start, end, after)
         rounds_bar.close()
-        if fed.truncated:  # over every client that trained (tokenized when first sampled)
-            log.warning("%d training examples exceeded max_seq_len=%d and were truncated", fed.truncated,
-                        cfg.max_seq_len)
         if done < cfg.rounds:
             rec.close()
             return None
-        train_seconds, tic = time.perf_counter() - tic, time.perf_counter()
-        results, predictions = fed.evaluate()
-        add_exact_match(results, predictions)  # beside ROUGE-L, from the same outputs
-        # the models as evaluated, as PEFT adapter folders (run/export.py), before results.json marks the run finished
-        try:
-            export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated(), results)
-        except ckpt.DiskFull as exc:  # the checkpoint is whole: a resume scores the clients again and writes them
-            raise ckpt.DiskFull(f"{exc}; the checkpoint after round {rec.saved[0]} is intact; free some space, "
-                                "then continue with --resume (same --out)") from None
-        # memory_allocator: "mimalloc" under the pflalign command (run/allocator.py); the processes and
-        # threads that computed it (the thread count decides the floating-point sums' last bits)
-        how = {"batch": batch} if batch != "none" else {}  # how it was computed: results equal to rounding
-        return rec.finish(results, train_seconds, time.perf_counter() - tic, predictions,
-                          memory_allocator=allocator.active(), workers=fed.workers,
-                          threads_per_worker=fed.runner.threads(), **how)
+        return finish_run(rec, fed, time.perf_counter() - tic)
     except KeyboardInterrupt:
-        raise _interrupted(rec, cfg, fed.in_round) from None
+        raise interrupted(rec, cfg, fed.in_round) from None
     except TrainingDiverged as exc:
-        rec.rollback()  # the diverged round leaves no lines
-        kept = f"; the checkpoint after round {rec.saved[0]} is kept" if rec.saved[0] else ""
-        raise TrainingDiverged(f"{exc}{kept}") from None
+        raise diverged(rec, exc) from None
     except OutOfMemory as exc:
         rec.rollback()  # as for a diverged round: the directory is as after the last checkpoint
         kept = (f"; the checkpoint after round {rec.saved[0]} is kept: free memory and continue with --resume, or "
@@ -397,17 +385,51 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         rec.close()
 
 
-def _interrupted(rec: Recorder, cfg: RunConfig, in_round: int | None) -> RunInterrupted:
-    """Ctrl-C (`in_round`: the round being trained, None after the rounds): drop the unfinished
-    round's metrics lines, so the directory is exactly as after the last checkpoint, and say how
-    to continue."""
-    rounds = rec.saved[0]
-    rec.rollback()
-    where = (f"during round {in_round + 1} of {cfg.rounds}" if in_round is not None
-             else "during the final evaluation")
-    if rounds == 0:
-        return RunInterrupted(f"interrupted {where}, before any round finished; nothing to resume: "
-                              "run the same command again")
-    return RunInterrupted(f"interrupted {where}; the last finished round ({rounds}) is saved; resume with: "
-                          f"pflalign run --out {shlex.quote(str(rec.out))} --resume")
+def open_run(cfg: RunConfig | None, out: Path | str, resume: bool, overwrite: bool, allow_recipe_change: bool,
+             progress: bool, workers: int, batch: str,
+             shared: Callable[[RunConfig], tuple[FederatedLM, Params]] | None = None) -> tuple[Recorder, Federation, int]:
+    """A run set up to train (inside `run_dir.guard`): its run folder (`Recorder`: config.json,
+    metrics, the checkpoint it resumes from), its `Federation` (`shared(cfg)`: the model it shares
+    with other runs and its w^0, `Federation`), the round it starts at."""
+    rec = Recorder(out, resume, overwrite, allow_recipe_change)
+    cfg = rec.config(cfg)
+    fed = Federation(cfg, progress=progress, out=rec.out, workers=workers, batch=batch,
+                     shared=None if shared is None else shared(cfg))
+    start = fed.restore(rec.checkpoint) if rec.resuming else 0
+    if not rec.resuming:
+        warn_at_start(cfg, fed.method)
+    rec.open(cfg)
+    rec.metrics = tensorboard.wrap(rec.metrics, cfg, rec.out, {c.id: c.name for c in fed.clients})  # log.tensorboard
+    return rec, fed, start
 
+
+def finish_run(rec: Recorder, fed: Federation, train_seconds: float) -> dict:
+    """A run whose rounds are done: every client scored, the adapters written, results.json last
+    (what marks the run finished)."""
+    cfg = fed.cfg
+    if fed.truncated:  # over every client that trained (tokenized when first sampled)
+        log.warning("%d training examples exceeded max_seq_len=%d and were truncated", fed.truncated,
+                    cfg.max_seq_len)
+    tic = time.perf_counter()
+    results, predictions = fed.evaluate()
+    add_exact_match(results, predictions)  # beside ROUGE-L, from the same outputs
+    # the models as evaluated, as PEFT adapter folders (run/export.py), before results.json marks the run finished
+    try:
+        export.write_run_adapters(rec.out, cfg, fed.adapters_as_evaluated(), results)
+    except ckpt.DiskFull as exc:  # the checkpoint is whole: a resume scores the clients again and writes them
+        raise ckpt.DiskFull(f"{exc}; the checkpoint after round {rec.saved[0]} is intact; free some space, "
+                            "then continue with --resume (same --out)") from None
+    # memory_allocator: "mimalloc" under the pflalign command (run/allocator.py); the processes and
+    # threads that computed it (the thread count decides the floating-point sums' last bits)
+    how = {"batch": fed.batch} if fed.batch != "none" else {}  # how it was computed: results equal to rounding
+    return rec.finish(results, train_seconds, time.perf_counter() - tic, predictions,
+                      memory_allocator=allocator.active(), workers=fed.workers,
+                      threads_per_worker=fed.runner.threads(), **how)
+
+
+def diverged(rec: Recorder, exc: TrainingDiverged) -> TrainingDiverged:
+    """A run stopped on a non-finite value: the diverged round's lines dropped, and the error saying
+    which checkpoint is kept."""
+    rec.rollback()  # the diverged round leaves no lines
+    kept = f"; the checkpoint after round {rec.saved[0]} is kept" if rec.saved[0] else ""
+    return TrainingDiverged(f"{exc}{kept}")

@@ -17,7 +17,7 @@ import torch
 from . import allocator
 from .client import ClientRound, client_lr, local_round, score_client
 from .client_store import ClientRecord, ClientStore
-from .lockstep import PassSize, lockstep_round
+from .lockstep import PassSize, finish, lockstep, member
 from ..data import Example
 from ..errors import OutOfMemory, TrainingDiverged
 from ..methods.base import Method, Params
@@ -60,6 +60,24 @@ class ScoreDone:
     score: float
     predictions: list[str]
     seconds: float
+
+
+@dataclass
+class StartedRound:
+    """A round between `Federation.start_round` and `finish_round`: its clients, the server's
+    round, the clients' jobs, their step counts after it, their tokens (which job first), what
+    the jobs share, and the round's progress bar."""
+
+    chosen: list[int]
+    plan: object  # server.RoundPlan
+    jobs: list[TrainJob]
+    steps_after: list[int]
+    costs: list[float]
+    shared: dict
+    bar: object
+
+    def on_step(self, i: int, t: int, loss: float) -> None:
+        self.bar.update(1)
 
 
 @dataclass
@@ -108,33 +126,64 @@ def run_train_job(side: ClientSide, job: TrainJob, shared: dict,
 
 def run_train_jobs_lockstep(side: ClientSide, jobs: list[TrainJob], shared: dict,
                             on_step: Callable[[int, int, float], None] | None = None) -> list[TrainDone]:
-    """The clients of `jobs` (one round's) trained in lockstep (`lockstep.lockstep_round`): each
-    one's state from its file, its new state and personalized adapter into its next file, as
+    """The clients of `jobs` (one round's) trained in lockstep (`lockstep.lockstep`): each one's
+    state from its file, its new state and personalized adapter into its next file, as
     `run_train_job` does for one. Each client's seconds: the lockstep's share, total / clients."""
-    tic = time.perf_counter()
-    states = []
-    for job in jobs:
-        side.store.records[job.k] = job.record
-        loaded = side.store.load(job.k, side.lm.device)
-        states.append(loaded[0] if loaded is not None else side.method.init_client_state(side.initial_params))
-    r = jobs[0].round
-    try:
-        results = lockstep_round(side.lm, side.method, states, shared["global"], shared["received"],
-                                 [job.batches for job in jobs], client_lr(side.cfg, r), r,
-                                 [f"{job.k} ({job.record.name})" for job in jobs], on_step, side.cfg.optimizer,
-                                 side.pass_size)
-    except (torch.OutOfMemoryError, MemoryError):
-        raise OutOfMemory(f"out of memory training {len(jobs)} clients in lockstep (--batch clients) with "
-                          f"batch_size={side.cfg.batch_size}, max_seq_len={side.cfg.max_seq_len}, model "
-                          f"{side.cfg.model}: run without --batch clients, or lower batch_size or max_seq_len") from None
-    done = []
-    seconds = (time.perf_counter() - tic) / len(jobs)
-    for job, state, result in zip(jobs, states, results):
-        side.store.save(job.k, job.round + 1, state, result.personalized)
-        result.personalized = None  # in its file now
-        done.append(TrainDone(job.k, result, side.store.records[job.k], seconds))
-    allocator.release_free_memory()
+    (done,) = run_rounds_lockstep([(side, jobs, shared)], on_step)
+    if isinstance(done, TrainingDiverged):
+        raise done
     return done
+
+
+def run_rounds_lockstep(rounds: list[tuple[ClientSide, list[TrainJob], dict]],
+                        on_step: Callable[[int, int, float], None] | None = None,
+                        isolate: bool = False) -> list[list[TrainDone] | TrainingDiverged]:
+    """A round of each of several runs (`--batch runs`; one run: `--batch clients`) trained in
+    lockstep: `rounds[g]` is run g's side (its method, config and clients' files, on the one
+    shared model), its round's jobs and what the round shares (w^r, the broadcast). Returns, per
+    run, its jobs' `TrainDone`s, or with `isolate` the `TrainingDiverged` that stopped it (the
+    other runs' clients went on without it); without `isolate` a divergence is raised."""
+    tic = time.perf_counter()
+    lm = rounds[0][0].lm
+    members = []
+    for g, (side, jobs, shared) in enumerate(rounds):
+        for job in jobs:
+            side.store.records[job.k] = job.record
+            loaded = side.store.load(job.k, lm.device)
+            state = loaded[0] if loaded is not None else side.method.init_client_state(side.initial_params)
+            members.append(member(side.method, state, shared["global"], shared["received"], job.batches,
+                                  client_lr(side.cfg, job.round), job.round, f"{job.k} ({job.record.name})",
+                                  side.cfg.optimizer, lm.lora, g))
+    side = rounds[0][0]
+    try:
+        failed = lockstep(lm, members, on_step, side.pass_size, isolate)
+    except (torch.OutOfMemoryError, MemoryError):
+        raise OutOfMemory(f"out of memory training {len(members)} clients in lockstep (--batch) with "
+                          f"batch_size={side.cfg.batch_size}, max_seq_len={side.cfg.max_seq_len}, model "
+                          f"{side.cfg.model}: run without --batch, or lower batch_size or max_seq_len") from None
+    seconds = (time.perf_counter() - tic) / len(members)
+    out: list[list[TrainDone] | TrainingDiverged] = []
+    i = 0
+    for g, (side, jobs, _) in enumerate(rounds):
+        mine, i = members[i:i + len(jobs)], i + len(jobs)
+        if g in failed:
+            out.append(failed[g])
+            continue
+        try:
+            results = [finish(m) for m in mine]
+        except TrainingDiverged as exc:
+            if not isolate:
+                raise
+            out.append(exc)
+            continue
+        done = []
+        for job, m, result in zip(jobs, mine, results):
+            side.store.save(job.k, job.round + 1, m.round.state, result.personalized)
+            result.personalized = None  # in its file now
+            done.append(TrainDone(job.k, result, side.store.records[job.k], seconds))
+        out.append(done)
+    allocator.release_free_memory()
+    return out
 
 
 def run_score_job(side: ClientSide, job: ScoreJob, shared: dict, progress: bool = False) -> ScoreDone:

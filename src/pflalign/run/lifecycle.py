@@ -15,7 +15,7 @@ run diverges.
 from __future__ import annotations
 
 import logging
-import time
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +24,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from ..config import RunConfig, load_saved_config, recipe, to_dict
 from ..settings import ADAMW_LR
-from ..errors import UserError
+from ..errors import RunInterrupted, UserError
 from ..run_stats import (CLIENT_BLOWUP_RATIO, DIVERGED_LOSS_RATIO, client_starts, distribution,  # noqa: F401  (their former home)
                          early_level, judgeable_start, start_loss)
 
@@ -298,3 +298,18 @@ class LossWatch:
                 log.warning("round %d: %s's mean step loss %.3g is %.1f × its early level (%.3g, the median step "
                             "loss of its first round): its training is blowing up, which the run's mean can hide "
                             "(pflalign report lists the clients that did)", r + 1, name, loss, loss / start, start)
+
+
+def interrupted(rec: Recorder, cfg: RunConfig, in_round: int | None) -> RunInterrupted:
+    """Ctrl-C (`in_round`: the round being trained, None after the rounds): drop the unfinished
+    round's metrics lines, so the directory is exactly as after the last checkpoint, and say how
+    to continue."""
+    rounds = rec.saved[0]
+    rec.rollback()
+    where = (f"during round {in_round + 1} of {cfg.rounds}" if in_round is not None
+             else "during the final evaluation")
+    if rounds == 0:
+        return RunInterrupted(f"interrupted {where}, before any round finished; nothing to resume: "
+                              "run the same command again")
+    return RunInterrupted(f"interrupted {where}; the last finished round ({rounds}) is saved; resume with: "
+                          f"pflalign run --out {shlex.quote(str(rec.out))} --resume")

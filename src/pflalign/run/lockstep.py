@@ -94,6 +94,71 @@ def shared_pass(lm, batches: list[dict], adapters: list[Params], size: PassSize)
     return losses
 
 
+@dataclass
+class Member:
+    """One client in a lockstep: its round of its method's rule (`LocalRound`, on `live`), its
+    minibatches, its name (in a divergence's message) and its group: the run it belongs to, when
+    several runs train in lockstep (`--batch runs`), else 0."""
+
+    round: LocalRound
+    live: Params
+    batches: list[dict]
+    name: str
+    group: int = 0
+
+
+def member(method: Method, state: State, global_params: Params, received: Message, batches: list[dict],
+           lr: float, round_index: int, name: str, optimizer=None, like: Params | None = None,
+           group: int = 0) -> Member:
+    """A client's `Member`: its live adapter (a copy of `like`, the model's adapter's names and
+    shapes) loaded with its round's start (`LocalRound`)."""
+    if any(not isinstance(b, dict) for b in batches):  # engine.check_batch refuses it before a run starts
+        raise UserError("batched clients do not take gradient accumulation yet "
+                        "(optimizer.grad_accumulation > 1): run without --batch")
+    live = own_adapter(like)
+    with _named(name):
+        steps = LocalRound(method, state, global_params, received, len(batches), lr, round_index, optimizer,
+                           live, _loader(live))
+    return Member(steps, live, batches, name, group)
+
+
+def lockstep(lm, members: list[Member], on_step: Callable[[int, int, float], None] | None = None,
+             size: PassSize | None = None, isolate: bool = False) -> dict[int, TrainingDiverged]:
+    """Local steps t = 0, 1, ... of every member, step t of all in shared passes (`shared_pass`);
+    `on_step(i, t, loss)` after member i's step. A member that diverges: its `TrainingDiverged`,
+    named, is raised; with `isolate` its group's members leave the lockstep instead (the other
+    groups go on) and the result maps each such group to its error."""
+    size = PassSize() if size is None else size
+    failed: dict[int, TrainingDiverged] = {}
+    for t in range(max(len(m.batches) for m in members)):
+        active = [i for i, m in enumerate(members) if t < len(m.batches) and m.group not in failed]
+        if not active:
+            break
+        with torch.enable_grad():
+            losses = shared_pass(lm, [members[i].batches[t] for i in active], [members[i].live for i in active], size)
+        for i, loss in zip(active, losses):
+            m = members[i]
+            if m.group in failed:  # a member of its group diverged earlier in this step
+                continue
+            try:
+                with _named(m.name):
+                    loss = m.round.step(t, _gradient(lm, m.live, m.batches[t], loss))
+            except TrainingDiverged as exc:
+                if not isolate:
+                    raise
+                failed[m.group] = exc
+                continue
+            if on_step is not None:
+                on_step(i, t, loss)
+    return failed
+
+
+def finish(m: Member) -> ClientRound:
+    """The member's round's end (`LocalRound.finish`), a divergence named."""
+    with _named(m.name):
+        return m.round.finish()
+
+
 def lockstep_round(lm, method: Method, states: list[State], global_params: Params, received: Message,
                    batches: list[list[dict]], lr: float, round_index: int, names: list[str],
                    on_step: Callable[[int, int, float], None] | None = None,
@@ -103,30 +168,10 @@ def lockstep_round(lm, method: Method, states: list[State], global_params: Param
     in order. `names[i]` names client i in a divergence's message; `on_step(i, t, loss)` after
     each client's step; `size`: how many clients one pass takes (`shared_pass`; None: all, lowered
     on running out of memory for this round only)."""
-    size = PassSize() if size is None else size
-    if any(not isinstance(b, dict) for bs in batches for b in bs):
-        raise UserError("batched clients do not take gradient accumulation yet "
-                        "(optimizer.grad_accumulation > 1): run without --batch clients")
-    live = [own_adapter(lm.lora) for _ in states]
-    rounds = []
-    for i, state in enumerate(states):
-        with _named(names[i]):
-            rounds.append(LocalRound(method, state, global_params, received, len(batches[i]), lr, round_index,
-                                     optimizer, live[i], _loader(live[i])))
-    for t in range(max(len(bs) for bs in batches)):
-        active = [i for i, bs in enumerate(batches) if t < len(bs)]
-        with torch.enable_grad():
-            losses = shared_pass(lm, [batches[i][t] for i in active], [live[i] for i in active], size)
-        for i, loss in zip(active, losses):
-            with _named(names[i]):
-                loss = rounds[i].step(t, _gradient(lm, live[i], batches[i][t], loss))
-            if on_step is not None:
-                on_step(i, t, loss)
-    done = []
-    for i, steps in enumerate(rounds):
-        with _named(names[i]):
-            done.append(steps.finish())
-    return done
+    members = [member(method, state, global_params, received, bs, lr, round_index, name, optimizer, lm.lora)
+               for state, bs, name in zip(states, batches, names)]
+    lockstep(lm, members, on_step, size)
+    return [finish(m) for m in members]
 
 
 def _gradient(lm, live: Params, batch: dict, shared_loss: float) -> Callable[[], tuple[float, Params]]:
@@ -158,3 +203,17 @@ class _named:
         if kind is TrainingDiverged:
             raise TrainingDiverged(f"client {self.name}: {exc}") from None
         return False
+
+
+BATCH_MODES = ("none", "clients", "runs")  # runs: a sweep's runs together (run/together.py)
+
+
+def check_batch(batch: str, workers: int, cfg) -> None:
+    """Refuse a `batch` mode that is not one, or that cannot run with these settings."""
+    if batch not in BATCH_MODES:
+        raise UserError(f"--batch must be one of {', '.join(BATCH_MODES)}, got {batch!r}")
+    if batch != "none" and workers > 1:
+        raise UserError(f"--batch {batch} trains clients together in one process; use --workers 1 (got {workers})")
+    if batch != "none" and cfg.optimizer.grad_accumulation > 1:
+        raise UserError(f"--batch {batch} does not take gradient accumulation yet "
+                        f"(optimizer.grad_accumulation={cfg.optimizer.grad_accumulation}); run without --batch")

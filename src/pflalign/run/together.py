@@ -1,0 +1,165 @@
+"""Runs in lockstep (`pflalign sweep --batch runs`): several runs on one shared base model, their
+rounds trained together.
+
+Why: the runs of a sweep (seeds, methods, learning rates) all train the same frozen base, each
+client with its own adapter; on a GPU one pass of the base for every client of every run keeps
+the device busy where one client's pass leaves most of it idle (issue 55). So round r of every
+run goes through `jobs.run_rounds_lockstep`: local step t of all their clients in shared passes
+(`lockstep.shared_pass`, as many as fit the device's memory), each client's step then taken by its
+own run's method. Everything else is each run's own, exactly as `engine.run` has it: its
+`Federation` (method, server, clients' files, seeded w^0), its run folder (`Recorder`: config,
+metrics lines, checkpoint after every round, `--resume`), its scoring, adapters and results.json
+(which records ``batch: "runs"``). Runs at different rounds (one resumed, one new) train side
+by side, each its own next round; a run that finishes is scored and written at once.
+
+A run whose training reaches a non-finite value stops alone, as in a sweep one after another:
+its round's lines are dropped, its last checkpoint kept, and the others go on
+(`lockstep(isolate=True)`). Running out of memory or an interrupt stops them all, each at its
+last checkpoint. The runs' results equal those of the one-at-a-time sweep up to float rounding
+(the rows of a shared pass are summed in another order; tests/test_together.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from . import run_dir
+from .engine import Federation, diverged, finish_run, open_run
+from .jobs import run_rounds_lockstep
+from .lifecycle import interrupted
+from .lockstep import PassSize
+from ..config import RunConfig
+from ..errors import OutOfMemory, RunInterrupted, TrainingDiverged
+from ..methods.base import Params
+from ..model import FederatedLM, build_model, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+def base_key(cfg: RunConfig) -> tuple:
+    """What runs must share to train in lockstep: the base model, its dtype and device, and the
+    adapter's shape (LoRA settings). Seeds, methods, learning rates and data may differ."""
+    return (cfg.model, cfg.dtype, resolve_device(cfg.device), repr(dataclasses.asdict(cfg.lora)))
+
+
+class SharedModel:
+    """The one model of runs in lockstep, built for the first run's config, and each run's w^0:
+    the seeded LoRA initialisation its own model would have (`seeded_adapter`)."""
+
+    def __init__(self):
+        self.lm: FederatedLM | None = None
+        self.key: tuple | None = None
+        self.initial: dict[int, Params] = {}
+
+    def __call__(self, cfg: RunConfig) -> tuple[FederatedLM, Params]:
+        if self.lm is None:
+            self.lm, self.key = build_model(cfg, in_memory=True), base_key(cfg)
+            self.initial[cfg.seed] = self.lm.get_lora()
+        if base_key(cfg) != self.key:
+            raise ValueError(f"runs in lockstep share one base: {base_key(cfg)} is not {self.key}")
+        if cfg.seed not in self.initial:
+            self.initial[cfg.seed] = seeded_adapter(cfg, self.lm.device)
+        return self.lm, self.initial[cfg.seed]
+
+
+def seeded_adapter(cfg: RunConfig, device) -> Params:
+    """The w^0 that `build_model(cfg)` gives (the LoRA initialisation seeded by ``cfg.seed``, made
+    on the CPU as every model's is), from a model built for it and dropped at once."""
+    lm = build_model(cfg, device="cpu")
+    return {n: p.to(device) for n, p in lm.get_lora().items()}
+
+
+@dataclasses.dataclass
+class _Run:
+    """One run of the lockstep: its folder, its federation, its next round, its loss watch."""
+
+    rec: object  # lifecycle.Recorder
+    fed: Federation
+    next_round: int
+    watch: object = None  # lifecycle.LossWatch
+    seconds: float = 0.0  # its rounds' share of the lockstep's time
+
+    @property
+    def done(self) -> bool:
+        return self.next_round >= self.fed.cfg.rounds
+
+
+def run_together(runs: list[tuple[RunConfig, Path, bool]], progress: bool = True) -> list[dict | TrainingDiverged]:
+    """Train the runs (config, run folder, resume) in lockstep on one shared model; each run's
+    folder is guarded (`run_dir.guard`: a fresh run replaces what is there, as the sweep does).
+    Returns, per run in order, its results, or the `TrainingDiverged` that stopped it alone."""
+    with contextlib.ExitStack() as stack:
+        for _, out, resume in runs:
+            stack.enter_context(run_dir.guard(Path(out), resume, not resume))
+        shared, size, opened = SharedModel(), PassSize(), []
+        try:
+            for cfg, out, resume in runs:
+                rec, fed, start = open_run(None if resume else cfg, out, resume, not resume, False, False, 1, "runs",
+                                           shared)
+                fed.side.pass_size = size  # one device, one size for every run's passes
+                opened.append(_Run(rec, fed, start))
+            return _train(opened, progress)
+        finally:
+            for r in opened:
+                r.fed.close()
+                r.rec.close()
+
+
+def _train(runs: list[_Run], progress: bool) -> list[dict | TrainingDiverged]:
+    outcome: list[dict | TrainingDiverged | None] = [None] * len(runs)
+    for r in runs:
+        r.watch = r.fed.attach(r.rec)
+    bar = tqdm(total=sum(r.fed.cfg.rounds - r.next_round for r in runs), desc=f"rounds of {len(runs)} runs",
+               disable=not progress, unit="round")
+    active = [i for i, r in enumerate(runs) if not r.done]
+    for i, r in enumerate(runs):
+        if r.done:  # its rounds were all done before (a run stopped in its final evaluation)
+            outcome[i] = finish_run(r.rec, r.fed, 0.0)
+    try:
+        while active:
+            started = []
+            for i in active:
+                runs[i].fed.in_round = runs[i].next_round
+                started.append(runs[i].fed.start_round(runs[i].next_round))
+            tic = time.perf_counter()
+            trained = run_rounds_lockstep([(runs[i].fed.side, s.jobs, s.shared) for i, s in zip(active, started)],
+                                          isolate=True)
+            seconds = time.perf_counter() - tic
+            for i, s, done in zip(list(active), started, trained):
+                r = runs[i]
+                try:
+                    if isinstance(done, TrainingDiverged):
+                        s.bar.close()
+                        raise done
+                    record = r.fed.finish_round(s, done)
+                    r.fed.keep_round(r.rec, r.watch, r.next_round, record, seconds)
+                except TrainingDiverged as exc:
+                    outcome[i] = diverged(r.rec, exc)
+                    log.warning("%s: stopped: %s", r.rec.out, outcome[i])
+                    active.remove(i)
+                    continue
+                r.fed.in_round, r.next_round, r.seconds = None, r.next_round + 1, r.seconds + seconds
+                bar.update(1)
+                if not progress:
+                    log.info("%s: round %d/%d: mean loss %.4f (%.1f s, %d runs)", r.rec.out, r.next_round,
+                             r.fed.cfg.rounds, record.mean_loss, seconds, len(started))
+                if r.done:
+                    active.remove(i)
+                    outcome[i] = finish_run(r.rec, r.fed, r.seconds)
+    except KeyboardInterrupt:
+        said = [str(interrupted(runs[i].rec, runs[i].fed.cfg, runs[i].fed.in_round)) for i in active]
+        raise RunInterrupted("; ".join(said) or "interrupted") from None
+    except OutOfMemory as exc:
+        for i in active:
+            runs[i].rec.rollback()  # each run's folder as after its last checkpoint
+        raise OutOfMemory(f"{exc}; every run's last checkpoint is kept: continue with fewer runs per group, or "
+                          "without --batch runs") from None
+    finally:
+        bar.close()
+    return outcome

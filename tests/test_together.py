@@ -1,0 +1,136 @@
+"""`pflalign sweep --batch runs` (issue 55 point 3): runs that share a base model trained in
+lockstep, each keeping its own folder, checkpoint, resume and metrics; equal to the sweep one run
+after another within the lockstep tolerance; a run that diverges stops alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pflalign import checkpoint as ckpt
+from pflalign.errors import UserError
+from pflalign.run.engine import run
+from pflalign.sweep import plan_sweep, run_sweep
+
+from test_lockstep import assert_runs_close
+
+# three methods, two seeds (so two w^0), SCAFFOLD at its own lr: their rounds share passes
+SWEEP = """
+methods = ["fedavg", "pflalign", "scaffold"]
+seeds = [0, 1]
+
+[base]
+model = "tiny-llama"
+lora = { r = 2, alpha = 4 }
+rounds = 2
+local_steps = 2
+batch_size = 2
+max_seq_len = 64
+defaults = "paper"
+eval = { max_new_tokens = 2, batch_size = 4, base_model = false }
+
+[method_args.pflalign]
+beta = 0.8
+
+[grid.scaffold]
+lr = [0.02]
+
+[[datasets]]
+name = "synth"
+set = { data = { clients = ["arithmetic", "sorting"], max_train = 4, max_test = 2 } }
+"""
+
+
+@pytest.fixture
+def sweep_file(tmp_path):
+    path = tmp_path / "sweep.toml"
+    path.write_text(SWEEP)
+    return path
+
+
+def _files(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def test_runs_in_lockstep_equal_the_sweep_one_run_after_another(sweep_file, tmp_path):
+    alone = plan_sweep(str(sweep_file), tmp_path / "alone")
+    together = plan_sweep(str(sweep_file), tmp_path / "together")
+    assert len(together) == 6
+    expected = run_sweep(alone, progress=False)
+    got = run_sweep(together, progress=False, batch="runs")
+    for a, b, ra, rb in zip(alone, together, expected, got):
+        assert _files(b.out) == _files(a.out), a.key  # the same files
+        assert rb["batch"] == "runs" and "batch" not in ra
+        assert set(rb) - {"batch"} == set(ra), a.key  # the same keys in results.json
+        assert [c["task"] for c in rb["clients"]] == [c["task"] for c in ra["clients"]]
+        assert_runs_close(a.out, b.out)  # every loss, adapter and method state within 1e-5
+        assert json.loads((b.out / ckpt.CONFIG).read_text()) == json.loads((a.out / ckpt.CONFIG).read_text())
+
+
+def test_a_run_that_diverges_stops_alone_and_the_others_finish_as_alone(sweep_file, tmp_path):
+    """FedAvg at lr 1e30 reaches a non-finite value in its first round: it stops with no round's
+    lines, as in the one-at-a-time sweep, and the other runs finish equal to their runs alone."""
+    runs = plan_sweep(str(sweep_file), tmp_path / "together", seeds=[0])
+    blown = runs[0]
+    assert blown.method == "fedavg"
+    blown.cfg.lr = 1e30
+    with pytest.raises(UserError, match=r"2 of 3 runs finished; 1 stopped on a non-finite value.*synth/fedavg/seed0"):
+        run_sweep(runs, progress=False, batch="runs")
+    assert not (blown.out / ckpt.RESULTS).exists() and not ckpt.has_run_checkpoint(blown.out)
+    for r in runs[1:]:
+        assert (r.out / ckpt.RESULTS).exists()
+        run(r.cfg, tmp_path / "alone" / r.method, progress=False)
+        assert_runs_close(tmp_path / "alone" / r.method, r.out)
+
+
+def test_a_run_resumed_beside_a_new_one(sweep_file, tmp_path):
+    """One run stopped after its first round (its checkpoint) and one new run train together: each
+    its own next round; both end equal to their uninterrupted runs."""
+    runs = plan_sweep(str(sweep_file), tmp_path / "together", seeds=[1], methods=["fedavg", "pflalign"])
+    run(runs[0].cfg, runs[0].out, progress=False, stop_after=1)
+    assert runs[0].state() == "unfinished"
+    run_sweep(runs, progress=False, batch="runs")
+    for r in runs:
+        run(r.cfg, tmp_path / "alone" / r.method, progress=False)
+        assert_runs_close(tmp_path / "alone" / r.method, r.out)
+
+
+def test_runs_on_other_bases_train_in_groups_of_their_own(sweep_file, tmp_path, monkeypatch):
+    from pflalign.run import together
+
+    runs = plan_sweep(str(sweep_file), tmp_path / "out", seeds=[0], methods=["fedavg", "pflalign"])
+    runs[1].cfg.lora.r = 4  # another adapter shape: not one lockstep
+    groups = []
+    real = together.run_together
+    monkeypatch.setattr(together, "run_together",
+                        lambda planned, progress: groups.append(len(planned)) or real(planned, progress))
+    run_sweep(runs, progress=False, batch="runs")
+    assert groups == [1, 1]
+
+
+def test_batch_runs_is_the_sweeps(tmp_path):
+    from pflalign.cli import main
+    from test_engine import tiny_config
+
+    with pytest.raises(UserError, match="use pflalign sweep --batch runs"):
+        run(tiny_config(), tmp_path / "x", progress=False, batch="runs")
+    with pytest.raises(SystemExit) as info:  # pflalign run has no --batch runs: argparse says so
+        main(["run", "--config", "demo", "--out", str(tmp_path / "y"), "--batch", "runs"])
+    assert info.value.code == 2
+
+
+def test_the_seeded_start_of_each_run_is_its_own_models():
+    """A run on the shared model starts from the w^0 its own model would have."""
+    from pflalign.model import build_model
+    from pflalign.run.together import SharedModel
+    from test_engine import tiny_config
+
+    shared = SharedModel()
+    for seed in (0, 3):
+        cfg = tiny_config(seed=seed)
+        lm, w0 = shared(cfg)
+        own = build_model(cfg).get_lora()
+        assert all(torch.equal(w0[n], own[n]) for n in own)
+    assert not all(torch.equal(shared.initial[0][n], shared.initial[3][n]) for n in own)
