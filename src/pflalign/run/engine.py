@@ -39,7 +39,7 @@ from .lifecycle import (LossWatch, Recorder, client_row, eval_clients, results_s
                         warn_at_start)
 from ..methods.base import Method, Params, clone
 from ..model import build_model, resolve_device
-from ..partition import client_shares_described
+from ..data.clients import client_shares_described
 from .server import RoundRecord, Server
 from .workers import (ClientSide, Inline, Processes, ScoreJob, TrainJob, bound_workers, check_workers,
                       personalized_adapter, run_train_jobs_lockstep)
