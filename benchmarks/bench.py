@@ -48,7 +48,7 @@ import torch
 from pflalign.run import allocator
 from pflalign.run.lifecycle import Recorder
 from pflalign.config import build_config
-from pflalign.data.load import load_federation
+from pflalign.data.federate import FederationOptions, federation
 from pflalign.run.engine import Federation
 from pflalign.evaluate import generate
 from pflalign.model import FederatedLM, LoraSettings
@@ -305,8 +305,9 @@ def main() -> None:
     print(f"{dtype} matmul peak on {args.device}: {peak:.1f} GFLOP/s")
 
     lm = FederatedLM.build(args.model, LoraSettings(), seed=0, dtype=getattr(torch, dtype), device=args.device)
-    flan = load_federation("flan", str(data / "flan"), None, 42, None, 64)
-    dolly = load_federation("dolly", str(data / "dolly" / "databricks-dolly-15k.jsonl"), None, 42, None, None)
+    flan = federation("flan", str(data / "flan"), None, 42, None, 64, FederationOptions())[0]
+    dolly = federation("dolly", str(data / "dolly" / "databricks-dolly-15k.jsonl"), None, 42, None, None,
+                       FederationOptions())[0]
     if "train" in only:
         report["train_flan"] = bench_training(lm, flan, 4, args.steps, 1024, peak)
         report["train_dolly"] = bench_training(lm, dolly, 4, args.steps, 1024, peak)

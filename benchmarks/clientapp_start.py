@@ -89,7 +89,7 @@ def main() -> int:
     from pflalign.config import build_config
     from pflalign.flower import wire
     from pflalign.model import build_model
-    from pflalign.partition import client_names
+    from pflalign.data.clients import client_names
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", required=True, help="folder with flan/ and dolly/")

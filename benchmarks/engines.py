@@ -118,7 +118,7 @@ import torch
 from pflalign import checkpoint as ckpt
 from pflalign.config import build_config, parse_set, to_dict
 from pflalign.flower.cluster import Cluster, Processes
-from pflalign.partition import client_names
+from pflalign.data.clients import client_names
 
 REPO = Path(__file__).resolve().parents[1]  # the Flower app's project folder
 ENGINES = ("inprocess", "simulation", "deployment", "deployment-fork")

@@ -66,7 +66,7 @@ def not_cache():  # the cgroup's charge other than page cache: anonymous memory,
 def read_bytes():
     return int(dict(l.split(": ") for l in Path("/proc/self/io").read_text().splitlines())["read_bytes"])
 
-from pflalign.data.load import load_federation
+from pflalign.data.federate import FederationOptions, federation
 from pflalign.model import FederatedLM, LoraSettings, mapped_files
 from pflalign.prompts import batch_indices, collate_train, encode_train
 settings = LoraSettings()
@@ -99,7 +99,7 @@ if tok.pad_token_id is None:
     tok.pad_token = tok.eos_token
 mapped = sorted(mapped_files(model))
 source = args["source"]
-clients = load_federation(args["data"], source, None, 42, None, 64 if args["data"] == "flan" else None)
+clients = federation(args["data"], source, None, 42, None, 64 if args["data"] == "flan" else None, FederationOptions())[0]
 encoded = [[encode_train(tok, ex, 1024) for ex in c.train] for c in clients]
 batches = []
 for s in range(args["steps"] + 1):

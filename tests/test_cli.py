@@ -120,11 +120,16 @@ def _bad_input(tmp_path, case):
         "missing-output": (lambda: flan_run([{"instruction": "a", "category": "coreference"}]),
                            [f"{flan / 'local_training_0.json'} item 0: record has no field 'output'"]),
         "category-absent": (lambda: dolly_run({**good, "category": "summarization"}),
-                            [f"Dolly category 'closed_qa' has no examples in {dolly}"]),
-        "client-without-training-examples": (lambda: dolly_run(good),  # its one example is the test split
-                                             ["client 0 (closed_qa) has 0 training examples, fewer than batch_size=2"]),
+                            [f"data.clients: no example in {dolly} has category 'closed_qa' (values there: "
+                             "summarization)"]),
+        "client-without-training-examples": (lambda: dolly_run(good),  # its one example would be the test split
+                                             ["client 'closed_qa' has 1 rows: too few to hold out a test set"]),
+        "client-with-too-few-training-examples": (lambda: dolly_run(good, good),  # one test, one to train on
+                                                  ["client 0 (closed_qa) has 1 training examples, fewer than "
+                                                   "batch_size=2"]),
         "unknown-task": (lambda: ["--set", "data.clients=sortng"],
-                         ["unknown synthetic category 'sortng'", "Did you mean 'sorting'?"]),
+                         ["no example in the synthetic tasks (generated in code) has category 'sortng'",
+                          "Did you mean 'sorting'?"]),
         "unknown-dataset": (lambda: ["--set", "data.name=dolyy"], ["unknown federation 'dolyy'", "Did you mean 'dolly'?"]),
         "lora-rank-zero": (lambda: ["--set", "lora.r=0"], ["lora.r must be > 0, got 0"]),
         "beta-negative": (lambda: ["--set", "method_args.beta=-0.1"], ["method pflalign: beta must be in [0, 1), got -0.1"]),
@@ -150,7 +155,7 @@ def _bad_input(tmp_path, case):
 
 @pytest.mark.parametrize("case", [
     "malformed-jsonl-line", "missing-instruction", "missing-response", "missing-output", "category-absent",
-    "client-without-training-examples", "unknown-task", "unknown-dataset", "lora-rank-zero", "beta-negative",
+    "client-without-training-examples", "client-with-too-few-training-examples", "unknown-task", "unknown-dataset", "lora-rank-zero", "beta-negative",
     "batch-larger-than-data", "model-directory-missing", "model-directory-without-config", "gguf-truncated", "gguf-not-gguf", "dolly-file-missing",
     "config-file-malformed", "resume-with-set",
 ])

@@ -1,4 +1,6 @@
-"""Tests for the data loaders: Dolly, FLAN, the synthetic federation and `load_federation`."""
+"""Tests for the datasets' clients: Dolly, FLAN and the synthetic tasks, each read as a table and
+made into clients by the one path (`pflalign.data.federate.federation`: the natural partition on
+category, the dataset's test rule)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pflalign.data import TaskData, Example
-from pflalign.data.dolly import DOLLY_CATEGORIES, load_dolly
-from pflalign.data.flan import FLAN_CATEGORIES, load_flan
-from pflalign.data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES, load_federation
+from pflalign.data import ClientShare, Example
+from pflalign.data.dolly import DOLLY_CATEGORIES, dolly_table
+from pflalign.data.dolly import PAPER_CATEGORIES as DOLLY_PAPER
+from pflalign.data.federate import FederationOptions, federation
+from pflalign.data.flan import FLAN_CATEGORIES
+from pflalign.data.flan import PAPER_CATEGORIES as FLAN_PAPER
 from pflalign.data.synthetic import SYNTHETIC_TASKS, make_synthetic
 from pflalign.errors import UserError
 
@@ -26,10 +30,29 @@ PAPER_DOLLY_SIZES = {  # category: (n, train, test) -- test = ceil(10% of n)
     "information_extraction": (1506, 1355, 151),
     "summarization": (1188, 1069, 119),
 }
+DOLLY_PAPER_CATEGORIES = list(DOLLY_PAPER)
+FLAN_PAPER_CATEGORIES = list(FLAN_PAPER)
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # --- helpers ----------------------------------------------------------------------------
+
+
+def clients_of(name: str, source: str | None, categories: list[str] | None, split_seed: int = 42,
+               max_train: int | None = None, max_test: int | None = None) -> list[ClientShare]:
+    """Dataset `name`'s clients with the default options: the natural partition on category
+    (`categories`; None: the dataset's default clients) and its test rule."""
+    return federation(name, source, categories, split_seed, max_train, max_test, FederationOptions())[0]
+
+
+def dolly_clients(source: str, categories: list[str] | None, split_seed: int = 42,
+                  max_train: int | None = None, max_test: int | None = None) -> list[ClientShare]:
+    return clients_of("dolly", source, categories, split_seed, max_train, max_test)
+
+
+def flan_clients(directory: str, categories: list[str] | None, max_train: int | None = None,
+                 max_test: int | None = None) -> list[ClientShare]:
+    return clients_of("flan", directory, categories, 42, max_train, max_test)
 
 
 def write_jsonl(path: Path, records: list[object]) -> Path:
@@ -90,24 +113,24 @@ def dolly_file(shared_data: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def dolly_paper(dolly_file: Path) -> list[TaskData]:
-    return load_dolly(str(dolly_file), DOLLY_PAPER_CATEGORIES)
+def dolly_paper(dolly_file: Path) -> list[ClientShare]:
+    return dolly_clients(str(dolly_file), DOLLY_PAPER_CATEGORIES)
 
 
-def test_dolly_paper_split_sizes(dolly_paper: list[TaskData]) -> None:
-    assert [client.task for client in dolly_paper] == DOLLY_PAPER_CATEGORIES
-    sizes = {client.task: (len(client.train), len(client.test)) for client in dolly_paper}
+def test_dolly_paper_split_sizes(dolly_paper: list[ClientShare]) -> None:
+    assert [client.name for client in dolly_paper] == DOLLY_PAPER_CATEGORIES
+    sizes = {client.name: (len(client.train), len(client.test)) for client in dolly_paper}
     assert sizes == {
         category: (train, test) for category, (_, train, test) in PAPER_DOLLY_SIZES.items()
     }
 
 
 def test_dolly_splits_are_disjoint_and_cover_the_category(
-    dolly_paper: list[TaskData], dolly_file: Path
+    dolly_paper: list[ClientShare], dolly_file: Path
 ) -> None:
     for client in dolly_paper:
-        expected = expected_dolly_examples(dolly_file, client.task)
-        assert len(expected) == PAPER_DOLLY_SIZES[client.task][0]
+        expected = expected_dolly_examples(dolly_file, client.name)
+        assert len(expected) == PAPER_DOLLY_SIZES[client.name][0]
         assert Counter(client.train) + Counter(client.test) == Counter(expected)
         # Only records that occur twice in the file (closed_qa has 4) may be on both sides.
         duplicated = {example for example, count in Counter(expected).items() if count > 1}
@@ -115,32 +138,32 @@ def test_dolly_splits_are_disjoint_and_cover_the_category(
 
 
 def test_dolly_same_seed_same_split_other_seed_other_split(
-    dolly_paper: list[TaskData], dolly_file: Path
+    dolly_paper: list[ClientShare], dolly_file: Path
 ) -> None:
-    again = load_dolly(str(dolly_file), DOLLY_PAPER_CATEGORIES, split_seed=42)
+    again = dolly_clients(str(dolly_file), DOLLY_PAPER_CATEGORIES, split_seed=42)
     assert again == dolly_paper
-    other = load_dolly(str(dolly_file), DOLLY_PAPER_CATEGORIES, split_seed=7)
+    other = dolly_clients(str(dolly_file), DOLLY_PAPER_CATEGORIES, split_seed=7)
     for ours, theirs in zip(dolly_paper, other, strict=True):
         assert (len(ours.train), len(ours.test)) == (len(theirs.train), len(theirs.test))
         assert set(ours.test) != set(theirs.test)
 
 
 def test_dolly_category_split_does_not_depend_on_other_categories(
-    dolly_paper: list[TaskData], dolly_file: Path
+    dolly_paper: list[ClientShare], dolly_file: Path
 ) -> None:
-    (alone,) = load_dolly(str(dolly_file.parent), ["summarization"])  # a directory works too
+    (alone,) = dolly_clients(str(dolly_file.parent), ["summarization"])  # a directory works too
     assert alone == dolly_paper[3]
-    reordered = load_dolly(str(dolly_file), list(reversed(DOLLY_PAPER_CATEGORIES)))
+    reordered = dolly_clients(str(dolly_file), list(reversed(DOLLY_PAPER_CATEGORIES)))
     assert reordered == list(reversed(dolly_paper))
 
 
 def test_dolly_prompts_carry_context_only_when_present(
-    dolly_paper: list[TaskData], dolly_file: Path
+    dolly_paper: list[ClientShare], dolly_file: Path
 ) -> None:
     records = [json.loads(line) for line in dolly_file.read_text(encoding="utf-8").splitlines()]
     for client in dolly_paper:
         with_context = sum(
-            1 for r in records if r["category"] == client.task and r["context"].strip()
+            1 for r in records if r["category"] == client.name and r["context"].strip()
         )
         prompts = [example.prompt for example in client.train + client.test]
         assert sum("\n\nContext:\n" in prompt for prompt in prompts) == with_context
@@ -158,7 +181,7 @@ def test_dolly_prompt_format(tmp_path: Path) -> None:
             {"instruction": "No context key", "response": "ok", "category": "summarization"},
         ],
     )
-    (client,) = load_dolly(str(path), ["summarization"])
+    (client,) = dolly_clients(str(path), ["summarization"])
     assert sorted(client.train + client.test, key=lambda e: e.response) == [
         Example("Name a fruit.", "Apple"),
         Example("Summarize this.\n\nContext:\nLong text.", "Short."),
@@ -168,14 +191,14 @@ def test_dolly_prompt_format(tmp_path: Path) -> None:
 
 
 def test_dolly_max_train_max_test_keep_the_first_n(
-    dolly_paper: list[TaskData], dolly_file: Path
+    dolly_paper: list[ClientShare], dolly_file: Path
 ) -> None:
-    small = load_dolly(str(dolly_file), DOLLY_PAPER_CATEGORIES, max_train=5, max_test=3)
+    small = dolly_clients(str(dolly_file), DOLLY_PAPER_CATEGORIES, max_train=5, max_test=3)
     for full, cut in zip(dolly_paper, small, strict=True):
         assert cut.train == full.train[:5] and cut.test == full.test[:3]
-    (only_train_cut,) = load_dolly(str(dolly_file), ["closed_qa"], max_train=10)
+    (only_train_cut,) = dolly_clients(str(dolly_file), ["closed_qa"], max_train=10)
     assert (len(only_train_cut.train), len(only_train_cut.test)) == (10, 178)
-    (zero,) = load_dolly(str(dolly_file), ["closed_qa"], max_test=0)
+    (zero,) = dolly_clients(str(dolly_file), ["closed_qa"], max_test=0)
     assert zero.test == []
 
 
@@ -194,8 +217,8 @@ def test_dolly_hub_id_downloads_the_jsonl(monkeypatch: pytest.MonkeyPatch, tmp_p
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` fails
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    (client,) = load_dolly("databricks/databricks-dolly-15k", ["open_qa"])
-    assert client.test == [Example("Q?", "A")] and client.train == []
+    table = dolly_table("databricks/databricks-dolly-15k")
+    assert table.examples == [Example("Q?", "A")] and table.labels == ["open_qa"]
     assert calls == [
         ("databricks/databricks-dolly-15k", "databricks-dolly-15k.jsonl", {"repo_type": "dataset"})
     ]
@@ -210,12 +233,12 @@ def test_dolly_unreachable_hub_is_a_user_error(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "datasets", None)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     raise_user_error(
-        lambda: load_dolly("databricks/databricks-dolly-15k", ["closed_qa"]),
+        lambda: dolly_clients("databricks/databricks-dolly-15k", ["closed_qa"]),
         "unreachable",
         "local file",
     )
     raise_user_error(
-        lambda: load_federation("dolly", None, None, 42, None, None), "unreachable", "--data-dir"
+        lambda: clients_of("dolly", None, None, 42, None, None), "unreachable", "--data-dir"
     )
 
 
@@ -224,10 +247,10 @@ def test_dolly_unreachable_hub_is_a_user_error(monkeypatch: pytest.MonkeyPatch) 
 
 def test_dolly_missing_file(tmp_path: Path) -> None:
     raise_user_error(
-        lambda: load_dolly(str(tmp_path / "nope.jsonl"), ["closed_qa"]), "nope.jsonl", "not found"
+        lambda: dolly_clients(str(tmp_path / "nope.jsonl"), ["closed_qa"]), "nope.jsonl", "not found"
     )
     raise_user_error(
-        lambda: load_dolly(str(tmp_path), ["closed_qa"]), "databricks-dolly-15k.jsonl", "not found"
+        lambda: dolly_clients(str(tmp_path), ["closed_qa"]), "databricks-dolly-15k.jsonl", "not found"
     )
 
 
@@ -236,11 +259,11 @@ def test_dolly_bad_json_names_file_and_line(tmp_path: Path) -> None:
     path.write_text(
         json.dumps(dolly_record("a", "b", "closed_qa")) + "\n\n{not json\n", encoding="utf-8"
     )
-    raise_user_error(lambda: load_dolly(str(path), ["closed_qa"]), f"{path}:3", "not valid JSON")
+    raise_user_error(lambda: dolly_clients(str(path), ["closed_qa"]), f"{path}:3", "not valid JSON")
     path.write_text('["a list"]\n', encoding="utf-8")
-    raise_user_error(lambda: load_dolly(str(path), ["closed_qa"]), f"{path}:1", "JSON object")
+    raise_user_error(lambda: dolly_clients(str(path), ["closed_qa"]), f"{path}:1", "JSON object")
     path.write_bytes(b'{"instruction": "caf\xe9"}\n')
-    raise_user_error(lambda: load_dolly(str(path), ["closed_qa"]), f"{path}:1", "UTF-8")
+    raise_user_error(lambda: dolly_clients(str(path), ["closed_qa"]), f"{path}:1", "UTF-8")
 
 
 @pytest.mark.parametrize("field", ["instruction", "response", "category"])
@@ -248,7 +271,7 @@ def test_dolly_missing_field_names_file_line_and_field(tmp_path: Path, field: st
     broken = dolly_record("a", "b", "closed_qa")
     del broken[field]
     path = write_jsonl(tmp_path / "d.jsonl", [dolly_record("x", "y", "closed_qa"), broken])
-    raise_user_error(lambda: load_dolly(str(path), ["closed_qa"]), f"{path}:2", repr(field))
+    raise_user_error(lambda: dolly_clients(str(path), ["closed_qa"]), f"{path}:2", repr(field))
 
 
 def test_dolly_non_string_field(tmp_path: Path) -> None:
@@ -256,21 +279,25 @@ def test_dolly_non_string_field(tmp_path: Path) -> None:
         tmp_path / "d.jsonl", [{"instruction": 3, "response": "b", "category": "closed_qa"}]
     )
     raise_user_error(
-        lambda: load_dolly(str(path), ["closed_qa"]), f"{path}:1", "'instruction'", "string"
+        lambda: dolly_clients(str(path), ["closed_qa"]), f"{path}:1", "'instruction'", "string"
     )
 
 
 def test_dolly_category_errors(dolly_file: Path, tmp_path: Path) -> None:
     message = raise_user_error(
-        lambda: load_dolly(str(dolly_file), ["sumarization"]), "'sumarization'"
+        lambda: dolly_clients(str(dolly_file), ["sumarization"]), "'sumarization'"
     )
     assert "Did you mean 'summarization'?" in message
     assert all(category in message for category in DOLLY_CATEGORIES)
     path = write_jsonl(tmp_path / "d.jsonl", [dolly_record("a", "b", "classification")])
-    raise_user_error(lambda: load_dolly(str(path), ["closed_qa"]), "'closed_qa'", "no examples")
-    raise_user_error(lambda: load_dolly(str(path), []), "no Dolly categories")
-    raise_user_error(lambda: load_dolly(str(path), ["classification", "classification"]), "twice")
-    raise_user_error(lambda: load_dolly(str(path), ["classification"], max_train=-1), "max_train")
+    raise_user_error(lambda: dolly_clients(str(path), ["closed_qa"]), "no example in", str(path), "'closed_qa'",
+                     "values there: classification")
+    raise_user_error(lambda: dolly_clients(str(path), []), "data.clients is empty")
+    raise_user_error(lambda: dolly_clients(str(path), ["classification", "classification"]), "twice")
+    # one example: ceil(10%) of it is the test set, which would leave it nothing to train on
+    raise_user_error(lambda: dolly_clients(str(path), ["classification"]), "'classification' has 1 rows",
+                     "too few to hold out a test set")
+    raise_user_error(lambda: dolly_clients(str(path), ["classification"], max_train=-1), "max_train")
 
 
 # --- FLAN on the real data ----------------------------------------------------------------
@@ -300,8 +327,8 @@ def flan_examples(records: list[dict], category: str) -> list[Example]:
 
 
 def test_flan_paper_clients(flan_dir: Path) -> None:
-    clients = load_flan(str(flan_dir), FLAN_PAPER_CATEGORIES)
-    assert [client.task for client in clients] == FLAN_PAPER_CATEGORIES
+    clients = flan_clients(str(flan_dir), FLAN_PAPER_CATEGORIES)
+    assert [client.name for client in clients] == FLAN_PAPER_CATEGORIES
     assert [(len(c.train), len(c.test)) for c in clients] == [(300, 200)] * 4
 
 
@@ -309,11 +336,11 @@ def test_flan_all_categories_match_the_files(
     flan_dir: Path, flan_raw: tuple[list[dict], list[dict]]
 ) -> None:
     raw_train, raw_test = flan_raw
-    clients = load_flan(str(flan_dir), list(FLAN_CATEGORIES))
+    clients = flan_clients(str(flan_dir), list(FLAN_CATEGORIES))
     assert len(clients) == 8
     for client in clients:
-        assert client.train == flan_examples(raw_train, client.task)
-        assert client.test == flan_examples(raw_test, client.task)
+        assert client.train == flan_examples(raw_train, client.name)
+        assert client.test == flan_examples(raw_test, client.name)
         assert (len(client.train), len(client.test)) == (300, 200)
     # the coreference client really holds coreference questions
     assert all("OPTIONS" in example.prompt for example in clients[0].train)
@@ -324,13 +351,13 @@ def test_flan_all_categories_match_the_files(
     [["word_disambiguation"], ["text_formatting", "coreference"], list(reversed(FLAN_CATEGORIES))],
 )
 def test_flan_any_subset_in_any_order(flan_dir: Path, categories: list[str]) -> None:
-    full = {client.task: client for client in load_flan(str(flan_dir), list(FLAN_CATEGORIES))}
-    assert load_flan(str(flan_dir), categories) == [full[category] for category in categories]
+    full = {client.name: client for client in flan_clients(str(flan_dir), list(FLAN_CATEGORIES))}
+    assert flan_clients(str(flan_dir), categories) == [full[category] for category in categories]
 
 
 def test_flan_max_train_max_test(flan_dir: Path) -> None:
-    full = load_flan(str(flan_dir), ["entailment"])[0]
-    (cut,) = load_flan(str(flan_dir), ["entailment"], max_train=7, max_test=2)
+    full = flan_clients(str(flan_dir), ["entailment"])[0]
+    (cut,) = flan_clients(str(flan_dir), ["entailment"], max_train=7, max_test=2)
     assert cut.train == full.train[:7] and cut.test == full.test[:2]
 
 
@@ -343,9 +370,9 @@ def test_flan_file_to_category_map_is_read_not_assumed(tmp_path: Path) -> None:
         },
         [flan_record("C2", "her", "coreference"), flan_record("P2", "no", "paraphrase")],
     )
-    para, coref = load_flan(str(root), ["paraphrase", "coreference"])
-    assert para == TaskData("paraphrase", [Example("P1", "yes")], [Example("P2", "no")])
-    assert coref == TaskData("coreference", [Example("C1", "him")], [Example("C2", "her")])
+    para, coref = flan_clients(str(root), ["paraphrase", "coreference"])
+    assert para == ClientShare("paraphrase", [Example("P1", "yes")], [Example("P2", "no")])
+    assert coref == ClientShare("coreference", [Example("C1", "him")], [Example("C2", "her")])
 
 
 # --- FLAN errors --------------------------------------------------------------------------
@@ -353,13 +380,13 @@ def test_flan_file_to_category_map_is_read_not_assumed(tmp_path: Path) -> None:
 
 def test_flan_missing_directory_and_files(tmp_path: Path) -> None:
     raise_user_error(
-        lambda: load_flan(str(tmp_path / "none"), ["coreference"]), "none", "not found"
+        lambda: flan_clients(str(tmp_path / "none"), ["coreference"]), "none", "not found"
     )
-    raise_user_error(lambda: load_flan(str(tmp_path), ["coreference"]), "local_training_")
+    raise_user_error(lambda: flan_clients(str(tmp_path), ["coreference"]), "local_training_")
     (tmp_path / "local_training_0.json").write_text(
         json.dumps([flan_record("a", "b", "coreference")])
     )
-    raise_user_error(lambda: load_flan(str(tmp_path), ["coreference"]), "test.jsonl", "not found")
+    raise_user_error(lambda: flan_clients(str(tmp_path), ["coreference"]), "test.jsonl", "not found")
 
 
 def test_flan_malformed_files_name_file_and_line(tmp_path: Path) -> None:
@@ -367,14 +394,14 @@ def test_flan_malformed_files_name_file_and_line(tmp_path: Path) -> None:
     training = root / "local_training_0.json"
     training.write_text('[\n{"instruction": "a",\n oops}\n]')
     raise_user_error(
-        lambda: load_flan(str(root), ["coreference"]), f"{training}:3", "not valid JSON"
+        lambda: flan_clients(str(root), ["coreference"]), f"{training}:3", "not valid JSON"
     )
     training.write_text('{"instruction": "a"}')
-    raise_user_error(lambda: load_flan(str(root), ["coreference"]), str(training), "JSON list")
+    raise_user_error(lambda: flan_clients(str(root), ["coreference"]), str(training), "JSON list")
     training.write_text(json.dumps([flan_record("a", "b", "coreference")]))
     test = root / "test.jsonl"
     test.write_text(json.dumps(flan_record("c", "d", "coreference")) + "\n[1, 2\n")
-    raise_user_error(lambda: load_flan(str(root), ["coreference"]), f"{test}:2", "not valid JSON")
+    raise_user_error(lambda: flan_clients(str(root), ["coreference"]), f"{test}:2", "not valid JSON")
 
 
 @pytest.mark.parametrize("field", ["instruction", "output"])
@@ -383,7 +410,7 @@ def test_flan_missing_field(tmp_path: Path, field: str) -> None:
     del broken[field]
     root = write_flan_dir(tmp_path, {0: [flan_record("x", "y", "coreference"), broken]}, [])
     raise_user_error(
-        lambda: load_flan(str(root), ["coreference"]), "local_training_0.json item 1", repr(field)
+        lambda: flan_clients(str(root), ["coreference"]), "local_training_0.json item 1", repr(field)
     )
     write_flan_dir(
         tmp_path,
@@ -391,24 +418,24 @@ def test_flan_missing_field(tmp_path: Path, field: str) -> None:
         [flan_record("x", "y", "coreference"), broken],
     )
     raise_user_error(
-        lambda: load_flan(str(root), ["coreference"]), f"{root / 'test.jsonl'}:2", repr(field)
+        lambda: flan_clients(str(root), ["coreference"]), f"{root / 'test.jsonl'}:2", repr(field)
     )
 
 
 def test_flan_category_errors(flan_dir: Path, tmp_path: Path) -> None:
-    message = raise_user_error(lambda: load_flan(str(flan_dir), ["corefrence"]), "'corefrence'")
+    message = raise_user_error(lambda: flan_clients(str(flan_dir), ["corefrence"]), "'corefrence'")
     assert "Did you mean 'coreference'?" in message
     assert all(category in message for category in FLAN_CATEGORIES)
     root = write_flan_dir(
         tmp_path, {0: [flan_record("a", "b", "coreference")]}, [flan_record("a", "b", "entailment")]
     )
     raise_user_error(
-        lambda: load_flan(str(root), ["coreference"]), "'coreference'", "no test examples"
+        lambda: flan_clients(str(root), ["coreference"]), "'coreference'", "no test rows"
     )
     raise_user_error(
-        lambda: load_flan(str(root), ["entailment"]), "'entailment'", "no training examples"
+        lambda: flan_clients(str(root), ["entailment"]), "no example in", "'entailment'", "values there: coreference"
     )
-    raise_user_error(lambda: load_flan(str(root), []), "no FLAN categories")
+    raise_user_error(lambda: flan_clients(str(root), []), "data.clients is empty")
 
 
 # --- synthetic ----------------------------------------------------------------------------
@@ -417,7 +444,7 @@ def test_flan_category_errors(flan_dir: Path, tmp_path: Path) -> None:
 def test_synthetic_is_deterministic_with_four_distinct_tasks() -> None:
     clients = make_synthetic()
     assert SYNTHETIC_TASKS == ("arithmetic", "sorting", "uppercase", "key_value")
-    assert [client.task for client in clients] == list(SYNTHETIC_TASKS)
+    assert [client.name for client in clients] == list(SYNTHETIC_TASKS)
     assert [(len(c.train), len(c.test)) for c in clients] == [(64, 16)] * 4
     assert make_synthetic() == clients
     assert make_synthetic(seed=1) != clients
@@ -425,7 +452,7 @@ def test_synthetic_is_deterministic_with_four_distinct_tasks() -> None:
         n_train=10, n_test=3, seed=5
     )
     prefixes = {
-        client.task: {e.prompt.split(":")[0].split(" ")[0] for e in client.train}
+        client.name: {e.prompt.split(":")[0].split(" ")[0] for e in client.train}
         for client in clients
     }
     assert prefixes == {
@@ -436,25 +463,25 @@ def test_synthetic_is_deterministic_with_four_distinct_tasks() -> None:
     }
 
 
-def check_synthetic_answers(clients: list[TaskData]) -> None:
+def check_synthetic_answers(clients: list[ClientShare]) -> None:
     """Every synthetic answer is right, short, and no prompt is in both train and test."""
     for client in clients:
         assert not {e.prompt for e in client.train} & {e.prompt for e in client.test}
         for example in client.train + client.test:
             assert 0 < len(example.response.split()) <= 20
-            if client.task == "arithmetic":
+            if client.name == "arithmetic":
                 a, op, b = re.fullmatch(
                     r"What is (\d+) (plus|minus) (\d+)\?", example.prompt
                 ).groups()
                 assert int(example.response) == (
                     int(a) + int(b) if op == "plus" else int(a) - int(b)
                 )
-            elif client.task == "sorting":
+            elif client.name == "sorting":
                 listed = example.prompt.removeprefix("Sort these numbers in ascending order: ")
                 numbers = [int(n) for n in listed.split(", ")]
                 assert [int(n) for n in example.response.split(", ")] == sorted(numbers)
                 assert 3 <= len(numbers) <= 6
-            elif client.task == "uppercase":
+            elif client.name == "uppercase":
                 phrase = example.prompt.removeprefix("Rewrite in capital letters: ")
                 assert example.response == phrase.upper() and phrase.islower()
             else:
@@ -479,47 +506,64 @@ def test_synthetic_property(seed: int, n_train: int, n_test: int) -> None:
     check_synthetic_answers(clients)
 
 
+def test_synthetic_is_a_table_like_any_other() -> None:
+    """Its tasks are the labels and its own test split the table's test rows: the natural partition
+    gives each task's examples, and any other partition applies (a global test set of every task's)."""
+    from pflalign.data.partition import PartitionSpec
+    from pflalign.data.synthetic import synthetic_table
+
+    table = synthetic_table(None, 3, 5, 2)
+    tasks = make_synthetic(5, 2, 3)
+    assert table.examples == [e for t in tasks for e in t.train]
+    assert table.labels == [t.name for t in tasks for _ in range(5)]
+    assert table.test_examples == [e for t in tasks for e in t.test]
+    iid, info = federation("synthetic", None, None, 3, 5, 2, FederationOptions(PartitionSpec("iid", 2)))
+    assert [len(c.train) for c in iid] == [5, 5] and all(c.test == table.test_examples[:2] for c in iid)
+    assert sorted(e.prompt for c in iid for e in c.train) != sorted(e.prompt for e in table.examples[:10])
+    assert info["test_set"] == "global" and info["rows"] == 20
+
+
 def test_synthetic_bad_sizes() -> None:
     raise_user_error(lambda: make_synthetic(n_train=-1), "n_train")
     raise_user_error(lambda: make_synthetic(n_train=5000), "at most")
 
 
-# --- load_federation ----------------------------------------------------------------------
+# --- every dataset ----------------------------------------------------------------------
 
 
-def test_load_federation_synthetic() -> None:
-    clients = load_federation("synthetic", None, None, 0, None, None)
+def test_clients_of_synthetic() -> None:
+    clients = clients_of("synthetic", None, None, 0, None, None)
     assert clients == make_synthetic(64, 16, 0)
-    subset = load_federation("synthetic", "", ["uppercase", "arithmetic"], 3, 5, 2)
+    subset = clients_of("synthetic", "", ["uppercase", "arithmetic"], 3, 5, 2)
     full = make_synthetic(5, 2, 3)
     assert subset == [full[2], full[0]]
     raise_user_error(
-        lambda: load_federation("synthetic", "data/", None, 0, None, None), "no data source"
+        lambda: clients_of("synthetic", "data/", None, 0, None, None), "no data source"
     )
     message = raise_user_error(
-        lambda: load_federation("synthetic", None, ["sortin"], 0, None, None), "'sortin'"
+        lambda: clients_of("synthetic", None, ["sortin"], 0, None, None), "'sortin'"
     )
     assert "Did you mean 'sorting'?" in message
     raise_user_error(
-        lambda: load_federation("synthetic", None, [], 0, None, None), "no synthetic tasks"
+        lambda: clients_of("synthetic", None, [], 0, None, None), "data.clients is empty"
     )
 
 
-def test_load_federation_real_data_defaults(shared_data: Path) -> None:
-    flan = load_federation("flan", str(shared_data / "flan"), None, 42, 3, 2)
-    assert [c.task for c in flan] == FLAN_PAPER_CATEGORIES
+def test_clients_of_real_data_defaults(shared_data: Path) -> None:
+    flan = clients_of("flan", str(shared_data / "flan"), None, 42, 3, 2)
+    assert [c.name for c in flan] == FLAN_PAPER_CATEGORIES
     assert [(len(c.train), len(c.test)) for c in flan] == [(3, 2)] * 4
-    dolly = load_federation("dolly", str(shared_data / "dolly"), None, 42, None, None)
-    assert [c.task for c in dolly] == DOLLY_PAPER_CATEGORIES
+    dolly = clients_of("dolly", str(shared_data / "dolly"), None, 42, None, None)
+    assert [c.name for c in dolly] == DOLLY_PAPER_CATEGORIES
     assert [len(c.test) for c in dolly] == [214, 178, 151, 119]
-    (one,) = load_federation("dolly", str(shared_data / "dolly"), ["open_qa"], 42, None, None)
+    (one,) = clients_of("dolly", str(shared_data / "dolly"), ["open_qa"], 42, None, None)
     assert (len(one.train), len(one.test)) == (3742 - 375, 375)
 
 
-def test_load_federation_errors() -> None:
-    raise_user_error(lambda: load_federation("flan", None, None, 42, None, None), "--data-dir")
+def test_clients_of_errors() -> None:
+    raise_user_error(lambda: clients_of("flan", None, None, 42, None, None), "--data-dir")
     message = raise_user_error(
-        lambda: load_federation("dolyy", None, None, 42, None, None), "'dolyy'"
+        lambda: clients_of("dolyy", None, None, 42, None, None), "'dolyy'"
     )
     assert "Did you mean 'dolly'?" in message and "synthetic" in message
 
@@ -556,11 +600,14 @@ def test_dolly_valid_records_round_trip(
             Path(folder) / "d.jsonl",
             [dolly_record(i, r, cat, context=c) for i, c, r, cat in records],
         )
-        clients = load_dolly(str(path), categories, split_seed=seed)
+        if 1 in Counter(category for *_, category in records).values():  # nothing left to train on
+            raise_user_error(lambda: dolly_clients(str(path), categories, split_seed=seed), "too few")
+            return
+        clients = dolly_clients(str(path), categories, split_seed=seed)
     for client in clients:
         expected = []
         for instruction, context, response, category in records:
-            if category == client.task:
+            if category == client.name:
                 prompt = instruction.strip()
                 if context.strip():
                     prompt += f"\n\nContext:\n{context.strip()}"
@@ -576,13 +623,15 @@ def test_dolly_garbage_is_a_user_error_or_loads(lines: list[bytes]) -> None:
         path = Path(folder) / "d.jsonl"
         path.write_bytes(b"\n".join(lines))
         try:
-            clients = load_dolly(str(path), ["closed_qa"])
+            clients = dolly_clients(str(path), ["closed_qa"])
         except UserError as error:  # one line naming the file and line, or the empty category
             message = str(error)
             assert "\n" not in message
-            assert re.match(rf"{re.escape(str(path))}:\d+: ", message) or "has no examples in" in message, message
+            assert re.match(rf"{re.escape(str(path))}:\d+: ", message) or message.startswith((
+                f"data.clients: no example in {path} has category 'closed_qa'", f"no Dolly records in {path}",
+                "client 'closed_qa' has 1 rows: too few")), message
         else:
-            assert [client.task for client in clients] == ["closed_qa"]
+            assert [client.name for client in clients] == ["closed_qa"]
 
 
 @FAST
@@ -604,13 +653,13 @@ def test_flan_valid_records_round_trip(
             },
             [flan_record(*r) for r in test],
         )
-        clients = load_flan(str(root), wanted) if wanted else []
+        clients = flan_clients(str(root), wanted) if wanted else []
     for client in clients:
         assert client.train == [
-            Example(i.strip(), o.strip()) for i, o, c in training if c == client.task
+            Example(i.strip(), o.strip()) for i, o, c in training if c == client.name
         ]
         assert client.test == [
-            Example(i.strip(), o.strip()) for i, o, c in test if c == client.task
+            Example(i.strip(), o.strip()) for i, o, c in test if c == client.name
         ]
 
 
@@ -628,21 +677,22 @@ def test_flan_garbage_is_a_user_error_or_loads(training: bytes, test_lines: list
         (root / "local_training_0.json").write_bytes(training)
         (root / "test.jsonl").write_bytes(b"\n".join(test_lines))
         try:
-            clients = load_flan(str(root), ["closed_qa"])
+            clients = flan_clients(str(root), ["closed_qa"])
         except UserError as error:  # one line naming the file (and line or item), or the empty category
             message = str(error)
             assert "\n" not in message
             where = rf"{re.escape(str(root))}/(local_training_0\.json(:\d+| item \d+)?|test\.jsonl:\d+): "
-            category = ("FLAN category 'closed_qa' has no", "unknown FLAN category 'closed_qa'")  # absent
+            category = (f"data.clients: no example in {root} has category 'closed_qa'",  # absent from the rows
+                        "client 'closed_qa' has no test rows")
             assert re.match(where, message) or message.startswith(category), message
         else:
-            assert [client.task for client in clients] == ["closed_qa"]
+            assert [client.name for client in clients] == ["closed_qa"]
 
 
 # ---- a validation split carved from the training data (hyperparameter tuning) ----
 def _shares(data: dict):
     from pflalign.config import build_config
-    from pflalign.partition import client_shares
+    from pflalign.data.clients import client_shares
 
     return client_shares(build_config(None, {"data": data}))
 

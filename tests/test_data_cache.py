@@ -12,7 +12,7 @@ import pytest
 from pflalign.run import data_cache
 from pflalign.config import build_config
 from pflalign.model import cache_dir, load_base_model
-from pflalign.partition import client_shares
+from pflalign.data.clients import client_shares
 
 
 @pytest.fixture

@@ -5,9 +5,12 @@ committed result. tests/federation_pins.json holds the pins; ``PFLALIGN_WRITE_FE
 rewrites it (only when a change of the clients is meant, and said in the commit).
 
 Each preset is built on the data a user would run it on: the embedded synthetic tasks, and the
-real Dolly and FLAN files of ../shared/data (`shared_data`), with the paper's split seed; plus the
-table path's variants over the same data (FLAN's natural partition named explicitly, a Dolly
-Dirichlet split, the validation hold-out)."""
+real Dolly and FLAN files of ../shared/data (`shared_data`), with the paper's split seed; plus
+variants over the same data (two FLAN categories, a Dolly Dirichlet split, the validation
+hold-out). The "-by-table" entries spell the path out without the config (the dataset's table →
+the natural partitioner on category, in the paper's client order → the default test rule); until
+issue 59 they were the second of two paths, now they check that a run's clients
+(`pflalign.data.clients`) are exactly that composition."""
 
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from pathlib import Path
 import pytest
 
 from pflalign.config import build_config
-from pflalign.partition import client_shares, partitioned
+from pflalign.data.clients import client_shares
+from pflalign.data.federate import FederationOptions, make_clients
+from pflalign.data.registry import DATASETS
 
 PINS = Path(__file__).with_name("federation_pins.json")
 
@@ -50,11 +55,18 @@ def federation(name: str, shared_data: Path) -> list[dict]:
     if data is not None:
         overrides = {**overrides, "data": {**overrides.get("data", {}), "dir": str(shared_data / data)}}
     cfg = build_config(preset, overrides)
-    # "-by-table": the same config through the table path (data/federate.py: table → natural
-    # partition on category → test rule), which today serves only other partitions and your files
-    shares = partitioned(cfg, cfg.data.dir)[0] if name.endswith("-by-table") else client_shares(cfg)
+    shares = by_table(cfg) if name.endswith("-by-table") else client_shares(cfg)
     return [{"name": s.name, "n_train": len(s.train), "n_test": len(s.test), "train": _digest(s.train),
              "test": _digest(s.test)} for s in shares]
+
+
+def by_table(cfg):
+    """The paper's clients composed by hand: the dataset's table, the natural partitioner on
+    category in the paper's client order, the default test rule (data/federate.py)."""
+    dataset = DATASETS[cfg.data.name]
+    table = dataset.table(cfg.data.dir, cfg.data.split_seed, None, None)
+    return make_clients(table, FederationOptions(), list(dataset.categories), cfg.data.split_seed,
+                        label_name="category")[0]
 
 
 @pytest.mark.parametrize("name", list(FEDERATIONS))
@@ -69,8 +81,8 @@ def test_every_presets_clients_are_pinned(name, shared_data):
 
 
 def test_the_table_path_gives_the_per_category_clients():
-    """Dolly's and FLAN's paper presets through the table path give the clients of today's
-    per-category path: the two paths agree, so one can go (issue 59)."""
+    """Dolly's and FLAN's paper presets give the clients of the table composed by hand (and, by the
+    pins, those of the per-category loaders that issue 59 removed)."""
     pins = json.loads(PINS.read_text())
     assert pins["flan-paper-by-table"] == pins["flan-paper"]
     assert pins["dolly-paper-by-table"] == pins["dolly-paper"]

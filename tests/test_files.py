@@ -5,9 +5,10 @@ federations reproduced exactly as the natural partition by category."""
 from __future__ import annotations
 
 import json
-from collections import Counter
+import random
 import re
 import shlex
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,17 +19,15 @@ pytest.importorskip("flwr_datasets")
 from pflalign.cli import main  # noqa: E402
 from pflalign.config import build_config, parse_set  # noqa: E402
 from pflalign.data import Example  # noqa: E402
-from pflalign.data.federate import FederationOptions, load_partitioned  # noqa: E402
+from pflalign.data.dolly import PAPER_CATEGORIES as DOLLY_PAPER  # noqa: E402
+from pflalign.data.flan import PAPER_CATEGORIES as FLAN_PAPER  # noqa: E402
+from pflalign.data.federate import FederationOptions, federation  # noqa: E402
 from pflalign.data.files import Columns, read_table  # noqa: E402
-from pflalign.data.load import (  # noqa: E402
-    DOLLY_PAPER_CATEGORIES,
-    FLAN_PAPER_CATEGORIES,
-    load_federation,
-    load_federation_described,
-)
 from pflalign.data.partition import PartitionSpec  # noqa: E402
 from pflalign.errors import UserError  # noqa: E402
 
+DOLLY_PAPER_CATEGORIES = list(DOLLY_PAPER)
+FLAN_PAPER_CATEGORIES = list(FLAN_PAPER)
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "docs" / "examples" / "qa.csv"
 QA = Columns(instruction="question", response="answer", context="passage")
@@ -57,42 +56,74 @@ def _opts(**kw):
     return FederationOptions(partition=spec, columns=kw.pop("columns", Columns("q", "ans", "ctx")), **kw)
 
 
-# --- today's federations through the new path ---------------------------------------------
+# --- the paper's federations: the natural partition on category ------------------------------
 
 
-def test_dolly_natural_partition_equals_load_dolly(shared_data):
-    source = str(shared_data / "dolly" / "databricks-dolly-15k.jsonl")
+def _dolly_by_hand(path: Path, categories: list[str], seed: int) -> list[tuple[str, list, list]]:
+    """The paper's Dolly split, written out here: each category's records in file order, shuffled
+    by random.Random(f"{seed}:{category}"), the first ceil(n/10) its test set."""
+    by_category: dict[str, list[Example]] = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        instruction, context = r["instruction"].strip(), (r.get("context") or "").strip()
+        prompt = f"{instruction}\n\nContext:\n{context}" if context else instruction
+        by_category.setdefault(r["category"], []).append(Example(prompt, r["response"].strip()))
+    out = []
+    for category in categories:
+        examples = list(by_category[category])
+        random.Random(f"{seed}:{category}").shuffle(examples)
+        n_test = -(-len(examples) // 10)
+        out.append((category, examples[n_test:], examples[:n_test]))
+    return out
+
+
+def test_dolly_natural_partition_is_the_papers_split(shared_data):
+    source = shared_data / "dolly" / "databricks-dolly-15k.jsonl"
     for seed, categories in ((42, None), (7, ["summarization", "open_qa", "brainstorming"])):
-        old = load_federation("dolly", source, categories, seed, None, None)
-        new, info = load_partitioned("dolly", source, categories or DOLLY_PAPER_CATEGORIES, seed, None, None,
-                                     FederationOptions(test_set="per_client"))
-        assert new == old  # same clients, same examples, same order
+        clients, info = federation("dolly", str(source), categories, seed, None, None, FederationOptions())
+        expected = _dolly_by_hand(source, categories or DOLLY_PAPER_CATEGORIES, seed)
+        assert [(c.name, c.train, c.test) for c in clients] == expected  # same clients, examples, order
         assert info["partition"] == "natural" and info["partition_by"] == "category"
-    assert [len(c.test) for c in load_federation("dolly", source, None, 42, None, None)] == [214, 178, 151, 119]
+        assert info["test_set"] == "per_client (seeded 0.1 hold-out)"  # Dolly has no test split of its own
+    paper, _ = federation("dolly", str(source), None, 42, None, None, FederationOptions())
+    assert [len(c.test) for c in paper] == [214, 178, 151, 119]
 
 
-def test_flan_natural_partition_equals_load_flan(shared_data):
-    source = str(shared_data / "flan")
+def test_flan_natural_partition_is_the_papers_clients(shared_data):
+    """Client c: the training records of category c (files K ascending), and test.jsonl's lines of c."""
+    source = shared_data / "flan"
+    train = [r for k in range(8) for r in json.loads((source / f"local_training_{k}.json").read_text())]
+    test = [json.loads(line) for line in (source / "test.jsonl").read_text().splitlines()]
+
+    def of(records, category):
+        return [Example(r["instruction"].strip(), r["output"].strip()) for r in records if r["category"] == category]
+
     for categories in (None, ["word_disambiguation", "coreference"]):
-        old = load_federation("flan", source, categories, 42, None, 50)
-        new, _ = load_partitioned("flan", source, categories or FLAN_PAPER_CATEGORIES, 42, None, 50,
-                                  FederationOptions())
-        assert new == old
+        clients, info = federation("flan", str(source), categories, 42, None, 50, FederationOptions())
+        assert [(c.name, c.train, c.test) for c in clients] == \
+            [(k, of(train, k), of(test, k)[:50]) for k in categories or FLAN_PAPER_CATEGORIES]
+        assert info["test_set"] == "per_client (the source's test split, by label)"
 
 
-def test_default_options_keep_todays_loaders_and_results(shared_data):
-    """options=defaults (what the engine passes) loads exactly as before and adds nothing to results.json."""
+def test_results_json_describes_the_data_only_beyond_the_papers_federations(shared_data):
+    """The default options (the natural partition on category: the paper's federations and the
+    synthetic tasks) add no `data` entry to results.json, as before issue 59; any other partition
+    or your own files do."""
+    from pflalign.data.clients import client_shares_described
+
     for name, source in (("dolly", str(shared_data / "dolly")), ("flan", str(shared_data / "flan")),
                          ("synthetic", None)):
-        before = load_federation(name, source, None, 42, 20, 5)
-        after, info = load_federation_described(name, source, None, 42, 20, 5,
-                                                FederationOptions.from_config(build_config().data))
-        assert after == before and info is None
+        cfg = build_config(None, {"data": {"name": name, "dir": source, "max_train": 20, "max_test": 5}})
+        shares, info = client_shares_described(cfg)
+        assert info is None and [(len(s.train), len(s.test)) for s in shares] == [(20, 5)] * 4
+        iid = build_config(None, {"data": {"name": name, "dir": source, "max_train": 20, "max_test": 5,
+                                           "partition": "iid", "num_clients": 2}})
+        assert client_shares_described(iid)[1]["partition"] == "iid"
 
 
 def test_flan_dirichlet_pools_training_files_and_shares_test_jsonl(shared_data):
     opts = FederationOptions(PartitionSpec("dirichlet", 6, alpha=1.0, seed=42))
-    clients, info = load_partitioned("flan", str(shared_data / "flan"), FLAN_PAPER_CATEGORIES, 42, None, None, opts)
+    clients, info = federation("flan", str(shared_data / "flan"), FLAN_PAPER_CATEGORIES, 42, None, None, opts)
     assert sum(len(c.train) for c in clients) == 4 * 300
     assert all(len(c.test) == 4 * 200 for c in clients)
     assert info["test_set"] == "global" and info["partition"] == "dirichlet" and info["alpha"] == 1.0
@@ -103,10 +134,10 @@ def test_flan_dirichlet_pools_training_files_and_shares_test_jsonl(shared_data):
 
 def test_every_format_gives_the_same_clients(tmp_path):
     paths = _write_all_formats(tmp_path, _rows())
-    results = {fmt: load_partitioned("files", str(p), None, 42, None, None, _opts(partition_by="who"))[0]
+    results = {fmt: federation("files", str(p), None, 42, None, None, _opts(partition_by="who"))[0]
                for fmt, p in paths.items()}
     first = results["jsonl"]
-    assert [c.task for c in first] == ["a", "b", "c"]
+    assert [c.name for c in first] == ["a", "b", "c"]
     assert all(r == first for r in results.values())
     every = [e for c in first for e in c.train + c.test]
     assert Example("question 1\n\nContext:\ncontext 1", "answer 1") in every
@@ -125,9 +156,9 @@ def test_example_file_columns_and_info():
 def test_per_client_split_is_seeded_disjoint_and_ceil_of_fraction(tmp_path):
     path = _write_all_formats(tmp_path, _rows(30))["jsonl"]
     opts = _opts(partition_by="who", test_fraction=0.25)
-    first, info = load_partitioned("files", str(path), None, 1, None, None, opts)
-    assert load_partitioned("files", str(path), None, 1, None, None, opts)[0] == first
-    assert load_partitioned("files", str(path), None, 2, None, None, opts)[0] != first
+    first, info = federation("files", str(path), None, 1, None, None, opts)
+    assert federation("files", str(path), None, 1, None, None, opts)[0] == first
+    assert federation("files", str(path), None, 2, None, None, opts)[0] != first
     for c in first:
         assert len(c.test) == 3 and len(c.train) == 7  # ceil(0.25 x 10)
         assert not set(c.train) & set(c.test)
@@ -136,13 +167,13 @@ def test_per_client_split_is_seeded_disjoint_and_ceil_of_fraction(tmp_path):
 
 def test_global_test_set_is_shared_and_held_out_before_partitioning(tmp_path):
     path = _write_all_formats(tmp_path, _rows(40))["csv"]
-    clients, info = load_partitioned("files", str(path), None, 42, None, None,
+    clients, info = federation("files", str(path), None, 42, None, None,
                                      _opts(spec=PartitionSpec("iid", 4, seed=42), test_set="global"))
     test = clients[0].test
     assert len(test) == 4 and all(c.test == test for c in clients)
     train = [e for c in clients for e in c.train]
     assert len(train) == 36 and len(set(train)) == 36 and not set(train) & set(test)
-    assert info["test_set"] == "global" and [c.task for c in clients] == [f"client_00{i}" for i in range(4)]
+    assert info["test_set"] == "global" and [c.name for c in clients] == [f"client_00{i}" for i in range(4)]
 
 
 def test_folder_with_test_split_natural_by_label_other_partitions_global(tmp_path):
@@ -150,16 +181,16 @@ def test_folder_with_test_split_natural_by_label_other_partitions_global(tmp_pat
     folder.mkdir()
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(12)))
     (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(6, ("b", "a", "c"))))
-    clients, info = load_partitioned("files", str(folder), None, 42, None, None, _opts(partition_by="who"))
-    assert [(c.task, len(c.train), len(c.test)) for c in clients] == [("a", 4, 2), ("b", 4, 2), ("c", 4, 2)]
+    clients, info = federation("files", str(folder), None, 42, None, None, _opts(partition_by="who"))
+    assert [(c.name, len(c.train), len(c.test)) for c in clients] == [("a", 4, 2), ("b", 4, 2), ("c", 4, 2)]
     assert clients[1].test[0] == Example("question 0", "answer 0")  # test row 0 has label b
     assert info["test_rows"] == 6
-    clients, info = load_partitioned("files", str(folder), None, 42, None, None,
+    clients, info = federation("files", str(folder), None, 42, None, None,
                                      _opts(partition_by="who", spec=PartitionSpec("iid", 2)))
     assert all(len(c.test) == 6 for c in clients) and info["test_set"] == "global"
-    clients, info = load_partitioned("files", str(folder), ["c", "a"], 42, None, None,
+    clients, info = federation("files", str(folder), ["c", "a"], 42, None, None,
                                      _opts(partition_by="who", test_set="per_client"))
-    assert [c.task for c in clients] == ["c", "a"]
+    assert [c.name for c in clients] == ["c", "a"]
     assert info["dropped"] == {"who not among the clients (data.clients)": 4,
                                "test: the source's test split (data.test_set=per_client)": 4,
                                "test: who not among the clients (data.clients)": 2}
@@ -173,8 +204,8 @@ def test_drop_empty_counts_dropped_rows_by_reason(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(UserError, match=r"d.jsonl \(train\) row 4: empty response \(column 'ans'\); .*data.drop_empty"):
-        load_partitioned("files", str(path), None, 42, None, None, _opts(partition_by="who"))
-    clients, info = load_partitioned("files", str(path), None, 42, None, None,
+        federation("files", str(path), None, 42, None, None, _opts(partition_by="who"))
+    clients, info = federation("files", str(path), None, 42, None, None,
                                      _opts(partition_by="who", drop_empty=True))
     assert sum(len(c.train) + len(c.test) for c in clients) == 9
     assert info["dropped"] == {"empty instruction (column 'q')": 1, "empty response (column 'ans')": 2}
@@ -198,7 +229,7 @@ def test_bad_files_are_one_line_errors(tmp_path, content, kwargs, match):
     path.write_text(content)
     kwargs.setdefault("partition_by", "who")
     with pytest.raises(UserError, match=match) as info:
-        load_partitioned("files", str(path), None, 42, None, None, _opts(**kwargs))
+        federation("files", str(path), None, 42, None, None, _opts(**kwargs))
     assert "\n" not in str(info.value)
 
 
@@ -212,7 +243,7 @@ def test_a_text_field_that_is_not_text_is_refused_with_its_row_and_field(tmp_pat
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(UserError, match=rf"d\.jsonl \(train\) row 3: field '{column}' must be a string, got "
                                         rf"{'bool' if column == 'ctx' else 'int'}$") as info:
-        load_partitioned("files", str(path), None, 42, None, None, _opts(partition_by="who"))
+        federation("files", str(path), None, 42, None, None, _opts(partition_by="who"))
     assert "\n" not in str(info.value)
 
 
@@ -242,7 +273,7 @@ def test_an_unreadable_file_names_the_files_own_error_in_one_line(tmp_path, capf
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(UserError, match=match) as info:
-        load_partitioned("files", str(path), None, 42, None, None, _opts(spec=PartitionSpec("iid", 2)))
+        federation("files", str(path), None, 42, None, None, _opts(spec=PartitionSpec("iid", 2)))
     assert "\n" not in str(info.value)
     assert "Failed to load" not in capfd.readouterr().err
 
@@ -298,7 +329,7 @@ def test_config_keys_reach_the_loader():
         (["data.test_fraction=1"], r"data.test_fraction must be a number in \(0, 1\)"),
         (["data.test_fraction=NaN"], r"data.test_fraction must be a (number in \(0, 1\)|finite number)"),
         (["data.test_set=shared"], "data.test_set must be one of auto, per_client, global"),
-        (["data.partition=iid", "data.num_clients=2"], "synthetic federation is 4 tasks, one client each"),
+        (["data.partition_by=task"], "data.partition_by for synthetic can only be 'category'"),
         (["data.name=dolly", "data.columns.instruction=q"], "data.columns applies to data.name=files"),
         (["data.name=files", "data.dir=x.csv"], "data.partition=natural makes one client per value of a column"),
         (["data.columns.instruction="], "data.columns.instruction must be a column name"),
@@ -351,7 +382,7 @@ def test_flower_app_names_the_clients_of_every_federation():
     for a natural partition of your own files without data.clients, from the data on its host."""
     pytest.importorskip("flwr")
     from pflalign.flower import wire
-    from pflalign.partition import client_shares, names_from_config
+    from pflalign.data.clients import client_shares, names_from_config
 
     def cfg(*items):
         return build_config(None, parse_set(list(items)))
@@ -379,7 +410,7 @@ def test_data_seed_draws_the_partition_and_defaults_to_split_seed(tmp_path):
             "data.partition=iid", "data.num_clients=4"]
 
     def shares(*items):
-        from pflalign.partition import client_shares
+        from pflalign.data.clients import client_shares
 
         return client_shares(build_config(None, parse_set(base + list(items))))
 
@@ -406,7 +437,7 @@ def test_after_partitioning_one_table_gives_each_clients_size_and_label_mix(tmp_
         label_of_prompt[r["q"] + (f"\n\nContext:\n{r['ctx']}" if r["ctx"] else "")] = r["who"]
     opts = _opts(partition_by="who", spec=PartitionSpec("dirichlet", 3, 0.3, None, None, 7))
     with caplog.at_level(logging.INFO, logger="pflalign.data.federate"):
-        clients, info = load_partitioned("files", str(path), None, 42, 20, None, opts)
+        clients, info = federation("files", str(path), None, 42, 20, None, opts)
     table = [m for m in caplog.messages if m.startswith("client ")]
     assert len(table) == 1
     lines = table[0].splitlines()
@@ -416,7 +447,7 @@ def test_after_partitioning_one_table_gives_each_clients_size_and_label_mix(tmp_
         expected = Counter(label_of_prompt[e.prompt] for e in client.train)  # counted here from the rows
         assert described["labels"] == dict(expected) and sum(expected.values()) == len(client.train) <= 20
         top, n = expected.most_common(1)[0]
-        assert line.startswith(f"{client.task}  ") and f"{top} {100 * n / len(client.train):.0f}%" in line
+        assert line.startswith(f"{client.name}  ") and f"{top} {100 * n / len(client.train):.0f}%" in line
         assert line.split()[1:3] == [str(len(client.train)), str(len(client.test))]
         skewed |= n / len(client.train) > 0.5
     assert skewed  # alpha 0.3: not vacuous, some client is dominated by one label
@@ -428,22 +459,22 @@ def test_labelled_client_names_carry_the_most_common_label_and_change_nothing_el
     examples are the numbered ones' (the test hold-outs stay seeded by the plain name)."""
     import logging
 
-    from pflalign.partition import client_names, client_shares
+    from pflalign.data.clients import client_names, client_shares
 
     path = _write_all_formats(tmp_path, _rows(90, labels=("a", "b", "c")))["jsonl"]
     spec = PartitionSpec("dirichlet", 3, 0.3, None, None, 7)
-    numbered, _ = load_partitioned("files", str(path), None, 42, None, None,
+    numbered, _ = federation("files", str(path), None, 42, None, None,
                                    _opts(partition_by="who", spec=spec, test_set="per_client"))
     with caplog.at_level(logging.INFO, logger="pflalign.data.federate"):
-        labelled, info = load_partitioned("files", str(path), None, 42, None, None,
+        labelled, info = federation("files", str(path), None, 42, None, None,
                                           _opts(partition_by="who", spec=spec, test_set="per_client",
                                                 client_names="labelled"))
     for k, (plain, named) in enumerate(zip(numbered, labelled, strict=True)):
         assert (named.train, named.test) == (plain.train, plain.test)  # the same rows
         label = Counter(info["clients"][k]["labels"]).most_common(1)[0][0]
-        assert named.task == f"client_{k:03d}-{label}" == info["clients"][k]["name"]
+        assert named.name == f"client_{k:03d}-{label}" == info["clients"][k]["name"]
     table = next(m for m in caplog.messages if m.startswith("client "))
-    assert [line.split()[0] for line in table.splitlines()[1:]] == [c.task for c in labelled]
+    assert [line.split()[0] for line in table.splitlines()[1:]] == [c.name for c in labelled]
     # through the config: the names are read off the data; the default's config.json stays as it was
     sets = ["data.name=files", f"data.dir={path}", "data.columns.instruction=q", "data.columns.response=ans",
             "data.partition=dirichlet", "data.num_clients=3", "data.alpha=0.3", "data.seed=7", "data.partition_by=who"]

@@ -121,7 +121,7 @@ def test_run_config_maps_to_pflalign_run_keys():
     import tomllib
 
     from pflalign.flower import wire
-    from pflalign.partition import client_names
+    from pflalign.data.clients import client_names
 
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert declared == wire.RUN_DEFAULTS

@@ -19,7 +19,7 @@ LAYERS: list[dict[str, list[str]]] = [
     {  # the bottom: errors, adapter tensors, and the config's values (settings.py imports only errors)
         "values": ["errors", "params", "settings", "run", "analysis"],
     },
-    {  # data, files and scores: no model, no method, no run
+    {  # data (datasets as tables, partitioners, a run's clients), files and scores: no model, no method, no run
         "foundation": ["data", "data.*", "prompts", "checkpoint", "run.run_dir", "run.client_store", "model.model_cache",
                        "run_stats", "evaluate", "tensorboard", "run.allocator",
                        "optim"],  # the local optimizers' math (SGD, AdamW) and the lr schedule, below the methods
@@ -29,8 +29,8 @@ LAYERS: list[dict[str, list[str]]] = [
                   "model.multi_lora"],  # and its CPU kernels; several adapters in one pass
         "methods": ["methods", "methods.*"],
     },
-    {  # a config checked against the methods and data (config.make_method); the partition step
-        "setup": ["config", "partition", "run.data_cache"],
+    {  # a config checked against the methods and data (config.make_method); the data cache
+        "setup": ["config", "run.data_cache"],
     },
     {
         "client": ["run.client", "run.lockstep", "run.jobs", "run.workers", "run.export"],  # the client side, both engines
@@ -193,6 +193,9 @@ def test_layer_table_names_only_existing_modules():
 # the module-level table above allows (run/run_dir.py sits low in the table, but analysis/ reads run
 # folders through checkpoint.py and run_stats.py, never through the run package).
 FOLDERS_MAY_NOT_IMPORT = {
+    # from the data to the clients is one path inside data/, below the config, the engines and Flower
+    "pflalign.data": ("pflalign.config", "pflalign.run", "pflalign.flower", "pflalign.model", "pflalign.methods",
+                      "pflalign.analysis"),
     "pflalign.model": ("pflalign.run", "pflalign.analysis", "pflalign.flower"),
     "pflalign.run": ("pflalign.analysis", "pflalign.flower"),
     "pflalign.analysis": ("pflalign.run", "pflalign.model", "pflalign.flower"),

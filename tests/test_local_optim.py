@@ -18,7 +18,7 @@ from pflalign.errors import UserError
 from pflalign.methods import METHODS
 from pflalign.methods.base import StepContext
 from pflalign.optim import SGD, AdamW, round_lr
-from pflalign.partition import ClientShare
+from pflalign.data.clients import ClientShare
 from pflalign.prompts import collate_train, encode_train
 
 from test_engine import TINY

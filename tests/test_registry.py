@@ -10,14 +10,13 @@ import pytest
 
 from pflalign.run import data_cache
 from pflalign.config import build_config
-from pflalign.data import Dataset, Example, Table, TaskData
+from pflalign.data import Dataset, Example, Table
 from pflalign.data import partition as data_partition
-from pflalign.data.load import load_federation
 from pflalign.data.partition import PARTITIONERS, Partitioner, PartitionSpec, partition
 from pflalign.data.registry import DATASETS
 from pflalign.errors import UserError
 from pflalign.run.export import client_names as export_client_names
-from pflalign.partition import client_names, client_shares
+from pflalign.data.clients import client_names, client_shares
 
 TASKS = ("left", "right")
 
@@ -26,20 +25,17 @@ def _examples(task: str, n: int) -> list[Example]:
     return [Example(f"{task} {i}?", f"{task} {i}.") for i in range(n)]
 
 
-def _load(source, categories, split_seed, max_train, max_test):
-    return [TaskData(t, _examples(t, 6)[:max_train], _examples(t, 2)[:max_test]) for t in categories or TASKS]
-
-
-def _table(source):
-    rows = [(e, t) for t in TASKS for e in _examples(t, 8)]
-    return Table([e for e, _ in rows], [t for _, t in rows])
+def _table(source, split_seed, max_train, max_test):
+    """6 rows and 2 test rows per task, labelled by task."""
+    return Table([e for t in TASKS for e in _examples(t, 6)], [t for t in TASKS for _ in range(6)],
+                 [e for t in TASKS for e in _examples(f"{t} test", 2)], [t for t in TASKS for _ in range(2)])
 
 
 @pytest.fixture
 def toy_dataset(monkeypatch, tmp_path):
     source = tmp_path / "toy.txt"
     source.write_text("the toy dataset's one file\n")
-    monkeypatch.setitem(DATASETS, "toy", Dataset(load=_load, categories=TASKS, table=_table,
+    monkeypatch.setitem(DATASETS, "toy", Dataset(table=_table, categories=TASKS,
                                                  files=lambda path: [path] if path is not None else None))
     return source
 
@@ -47,25 +43,19 @@ def toy_dataset(monkeypatch, tmp_path):
 def test_a_dataset_is_one_registry_line(toy_dataset, tmp_path):
     cfg = build_config(None, {"data": {"name": "toy", "dir": str(toy_dataset)}})
     assert client_names(cfg) == list(TASKS)  # its default clients
-    assert [s.name for s in client_shares(cfg)] == list(TASKS)
-    assert [len(s.train) for s in client_shares(cfg)] == [6, 6]
+    shares = client_shares(cfg)  # the natural partition on its label; each client's test rows its own
+    assert [s.name for s in shares] == list(TASKS)
+    assert [(len(s.train), len(s.test)) for s in shares] == [(6, 2), (6, 2)]
+    assert shares[1].test == _examples("right test", 2)
     assert export_client_names(tmp_path / "no-run-here", cfg) == list(TASKS)  # was a KeyError
     assert data_cache.data_files(cfg, str(toy_dataset)) == [toy_dataset]  # was None: never cached
-    # its table: partitions other than one client per category
+    # the same table, other partitions: every row in one client, the table's test rows every client's
     iid = build_config(None, {"data": {"name": "toy", "partition": "iid", "num_clients": 4}})
     shares = client_shares(iid)
     assert [s.name for s in shares] == ["client_000", "client_001", "client_002", "client_003"]
-    # every row of the table in one client; no test split of its own, so each client holds out ceil(10%)
-    assert sum(len(s.train) + len(s.test) for s in shares) == 16 and all(len(s.test) == 1 for s in shares)
+    assert sum(len(s.train) for s in shares) == 12 and all(len(s.test) == 4 for s in shares)
     with pytest.raises(UserError, match="fixed columns"):  # a table's dataset has fixed columns, as Dolly/FLAN
         build_config(None, {"data": {"name": "toy", "columns": {"instruction": "q"}}})
-
-
-def test_a_dataset_without_a_table_refuses_a_partition(monkeypatch):
-    monkeypatch.setitem(DATASETS, "toy", Dataset(load=_load, categories=TASKS))
-    assert [t.task for t in load_federation("toy", None, None, 0, None, None)] == list(TASKS)
-    with pytest.raises(UserError, match="toy federation is 2 tasks, one client each"):
-        build_config(None, {"data": {"name": "toy", "partition": "iid", "num_clients": 2}})
 
 
 def test_a_partitioner_is_one_entry(monkeypatch):
@@ -86,7 +76,7 @@ def test_registries_name_the_shipped_ones():
     assert list(PARTITIONERS) == ["natural", "iid", "dirichlet", "shard", "linear", "exponential", "square"]
     assert data_partition.LABELLED == ("natural", "dirichlet", "shard")
     assert DATASETS["dolly"].categories == ("classification", "closed_qa", "information_extraction", "summarization")
-    assert DATASETS["files"].load is None and DATASETS["files"].categories == ()  # your own data: a table only
+    assert DATASETS["files"].table is None and DATASETS["files"].categories == ()  # your own data: read_table
 
 
 def test_the_config_check_knows_every_method_by_name():

@@ -12,7 +12,8 @@ from .claims import claims_markdown
 from ..errors import UserError
 from ..run_stats import CLIENT_BLOWUP_RATIO
 from .figures import write_figures
-from ..data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
+from ..data.dolly import PAPER_CATEGORIES as DOLLY_PAPER_CATEGORIES
+from ..data.flan import PAPER_CATEGORIES as FLAN_PAPER_CATEGORIES
 from ..methods import label, method_order
 from ..run_stats import DIVERGED_LOSS_RATIO
 from .runs import (paper_federation, divergence_notes, client_blowup_notes, figure_client, find_runs,

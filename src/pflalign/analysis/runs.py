@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import checkpoint as ckpt
-from ..data.load import DOLLY_PAPER_CATEGORIES, FLAN_PAPER_CATEGORIES
+from ..data.dolly import PAPER_CATEGORIES as DOLLY_PAPER_CATEGORIES
+from ..data.flan import PAPER_CATEGORIES as FLAN_PAPER_CATEGORIES
 from ..errors import UserError
 from ..methods import label, method_order
 from ..run_stats import DIVERGED_LOSS_RATIO, client_blowups, start_loss

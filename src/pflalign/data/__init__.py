@@ -1,10 +1,10 @@
-"""Instruction data: the loaders return plain text examples by task (category),
-one `TaskData` each. Which client holds which examples is the partition
-step's job (`pflalign.partition`); turning examples into token ids (chat
-template, loss mask, truncation) is `pflalign.prompts`'s.
+"""Instruction data: every dataset is a table of plain text examples with a label column
+(`Table`); a federation is table -> partitioner -> test rule -> clients (`federate.make_clients`,
+with the partitioners of `partition`), and `clients` makes a run's clients from its config.
+Turning examples into token ids (chat template, loss mask, truncation) is `pflalign.prompts`'s.
 
-A dataset is one loader module here that defines a `Dataset` (how to load it, its
-default clients, its table, its files) and one line in `registry.DATASETS`.
+A dataset is one loader module here that defines a `Dataset` (its table, its default clients,
+its files) and one line in `registry.DATASETS`.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ class Example:
 
 
 @dataclass
-class TaskData:
-    """The examples of one task (category): its name and its train/test split."""
+class ClientShare:
+    """One client's data: its name (results, metrics and logs call it by that name) and its
+    train/test examples."""
 
-    task: str
+    name: str
     train: list[Example]
     test: list[Example]
-
 
 
 @dataclass
@@ -60,13 +60,12 @@ class Dataset:
     `pflalign export`'s client names, the data cache's key, which `data.*` options apply) is
     derived from these fields."""
 
-    # (source, categories, split_seed, max_train, max_test) -> one TaskData per category, in order;
-    # categories None: `categories` below. None: the dataset loads only as a table (your own files).
-    load: Callable[..., list[TaskData]] | None
-    categories: tuple[str, ...] = ()  # the default clients, one per category (the paper's)
-    # source -> the whole dataset as one `Table` labelled by category, for data.partition other than
-    # one client per category; None: it cannot be partitioned (synthetic).
-    table: Callable[[str | None], Table] | None = None
-    # the local source (None: none given) -> the files `load` reads, in order; None where the data
+    # (source, split_seed, max_train, max_test) -> the whole dataset as one `Table` labelled by
+    # category; the last three matter only to a dataset generated in code (synthetic: its seed and
+    # its sizes per task). None: your own files, read with data.columns and data.partition_by
+    # (`files.read_table`).
+    table: Callable[[str | None, int, int | None, int | None], Table] | None
+    categories: tuple[str, ...] = ()  # the default clients of the natural partition (the paper's)
+    # the local source (None: none given) -> the files `table` reads, in order; None where the data
     # cache does not apply (a hub id, a missing file). None here: never cached.
     files: Callable[[Path | None], list[Path] | None] | None = None

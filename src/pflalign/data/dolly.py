@@ -3,23 +3,24 @@
 The paper's Dolly setting gives each of 4 clients one Dolly category and
 holds out ceil(10%) of that category as the client's test set (214, 178,
 151 and 119 examples for classification, closed_qa, information_extraction
-and summarization). `load_dolly` reproduces that split deterministically from
-a seed, from a local file or, failing that, from the Hugging Face Hub.
+and summarization). `dolly_table` reads Dolly (a local file or, failing that,
+the Hugging Face Hub) as one table labelled by category; the natural partition
+on category and the per-client test rule (`pflalign.data.federate`: each
+category shuffled by an RNG seeded with `f"{split_seed}:{category}"`, the
+first ceil(n/10) its test set) reproduce that split deterministically.
 
 The small JSON-lines helpers at the bottom are shared with `flan.py`.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
-import random
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pflalign.data import Dataset, Example, Table, TaskData
+from pflalign.data import Dataset, Example, Table
 from pflalign.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -37,59 +38,6 @@ DOLLY_CATEGORIES = (
     "summarization",
 )
 PAPER_CATEGORIES = ("classification", "closed_qa", "information_extraction", "summarization")  # the paper's clients
-TEST_FRACTION_DENOMINATOR = 10  # test = ceil(n / 10): the paper's 10% hold-out
-
-
-def load_dolly(
-    source: str,
-    categories: list[str],
-    split_seed: int = 42,
-    max_train: int | None = None,
-    max_test: int | None = None,
-) -> list[TaskData]:
-    """Load Dolly and return one `TaskData` per requested category, in order.
-
-    `source` is a `.jsonl` file, a directory holding `databricks-dolly-15k.jsonl`,
-    or the hub id `databricks/databricks-dolly-15k`. Each category's records are
-    taken in file order, shuffled with a RNG seeded by `f"{split_seed}:{category}"`
-    (so one category's split does not depend on which others are requested), and
-    the first ceil(n/10) become the test set, the rest the training set.
-    `max_train`/`max_test` then keep only the first N of each split.
-    """
-    if not categories:
-        raise UserError("no Dolly categories given: name at least one, e.g. classification")
-    check_unique(categories, "Dolly category")
-    check_limit("max_train", max_train)
-    check_limit("max_test", max_test)
-
-    by_category: dict[str, list[Example]] = {}
-    for where, record in _dolly_records(source):
-        example = Example(
-            prompt=_dolly_prompt(record, where),
-            response=get_text_field(record, "response", where).strip(),
-        )
-        by_category.setdefault(get_text_field(record, "category", where), []).append(example)
-
-    clients = []
-    for category in categories:
-        if category not in by_category:
-            if category not in DOLLY_CATEGORIES:
-                valid = set(DOLLY_CATEGORIES) | set(by_category)
-                raise unknown_category_error("Dolly", category, valid)
-            raise UserError(f"Dolly category {category!r} has no examples in {source}")
-        train, test = split_examples(by_category[category], split_seed, category)
-        clients.append(TaskData(task=category, train=train[:max_train], test=test[:max_test]))
-    return clients
-
-
-def split_examples(
-    examples: list[Example], split_seed: int, category: str
-) -> tuple[list[Example], list[Example]]:
-    """Shuffle one category with its own seeded RNG; the first ceil(n/10) are the test set."""
-    shuffled = list(examples)
-    random.Random(f"{split_seed}:{category}").shuffle(shuffled)
-    n_test = -(-len(shuffled) // TEST_FRACTION_DENOMINATOR)  # exact integer ceil
-    return shuffled[n_test:], shuffled[:n_test]
 
 
 def _dolly_prompt(record: Mapping[str, Any], where: str) -> str:
@@ -141,7 +89,8 @@ def _hub_records() -> list[tuple[str, Mapping[str, Any]]]:
 
 
 def dolly_table(source: str | None) -> Table:
-    """Dolly as a table: every record in file order, its category as label (load_dolly's examples)."""
+    """Dolly as a table: every record in file order (`source`: a ``.jsonl`` file, a folder holding
+    ``databricks-dolly-15k.jsonl``, or the hub id; None: the hub), its category as label."""
     source = source or DOLLY_HUB_ID
     examples, labels = [], []
     for where, record in _dolly_records(source):
@@ -159,19 +108,17 @@ def dolly_table(source: str | None) -> Table:
 
 
 def dolly_files(source: Path | None) -> list[Path] | None:
-    """The file `load_dolly` reads from a local `source` (a file, or a folder holding it)."""
+    """The file `dolly_table` reads from a local `source` (a file, or a folder holding it)."""
     if source is None:
         return None
     return [source / DOLLY_FILENAME if source.is_dir() else source]
 
 
-def _load(source: str | None, categories: list[str] | None, split_seed: int, max_train: int | None,
-          max_test: int | None) -> list[TaskData]:
-    chosen = PAPER_CATEGORIES if categories is None else categories
-    return load_dolly(source or DOLLY_HUB_ID, list(chosen), split_seed, max_train, max_test)
+def _table(source: str | None, split_seed: int, max_train: int | None, max_test: int | None) -> Table:
+    return dolly_table(source)  # the file as it is: the split and the sizes are the test rule's
 
 
-DATASET = Dataset(load=_load, categories=PAPER_CATEGORIES, table=dolly_table, files=dolly_files)
+DATASET = Dataset(table=_table, categories=PAPER_CATEGORIES, files=dolly_files)
 
 
 # --- JSON-lines helpers, shared with flan.py -------------------------------------------
@@ -222,14 +169,6 @@ def get_text_field(record: Mapping[str, Any], field: str, where: str) -> str:
     if field not in record:
         raise UserError(f"{where}: record has no field {field!r}")
     return check_text(record[field], field, where)
-
-
-def unknown_category_error(dataset: str, category: str, valid: Iterable[str]) -> UserError:
-    """A `UserError` for an unknown category, listing the valid ones and the closest match."""
-    valid = sorted(valid)
-    close = difflib.get_close_matches(category, valid, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return UserError(f"unknown {dataset} category {category!r}; valid: {', '.join(valid)}.{hint}")
 
 
 def check_unique(names: list[str], what: str) -> None:

@@ -1,10 +1,11 @@
 """From a table of examples to clients: partition the rows, then give each client a test set.
 
-`make_clients(table, options, ...)` is the one path for every tabular federation:
-your own files (`data.name=files`) and Dolly/FLAN with a partition other than
-today's one client per category. Each dataset's `table` (`pflalign.data.registry`:
-`dolly.dolly_table`, `flan.flan_table`) reads it as a table (label = category); with `data.partition=natural` and the default test
-rule they give exactly the clients `load_dolly`/`load_flan` give (tested).
+`federation(name, ...)` is the one path for every federation: the dataset's table
+(`pflalign.data.registry`: `dolly.dolly_table`, `flan.flan_table`, `synthetic.synthetic_table`,
+labelled by category; your own files by `files.read_table`, labelled by data.partition_by), then
+`make_clients(table, options, ...)`: the partitioner (`pflalign.data.partition`; the paper's
+federations are the natural partitioner on category, in the order of data.clients or the
+dataset's default clients), then the test rule below.
 
 Test sets (`data.test_set`):
 - ``auto`` (default): the source's own test split when it has one (FLAN's
@@ -24,6 +25,7 @@ the rows it removes are counted as dropped.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import random
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from pflalign.data import Example, TaskData
+from pflalign.data import ClientShare, Example
 from pflalign.data.dolly import check_limit, check_unique
 from pflalign.data.files import Columns, Table, read_table
 from pflalign.data.partition import PartitionSpec, check_spec, partition
@@ -49,7 +51,7 @@ DEFAULT_TEST_FRACTION = 0.1  # Dolly's ceil(10%) hold-out
 
 @dataclass(frozen=True)
 class FederationOptions:
-    """The `data.*` keys of a partitioned federation (see `pflalign.config.DataConfig`)."""
+    """The `data.*` keys of a federation: its partition, columns and test rule (see `pflalign.settings.DataConfig`)."""
 
     partition: PartitionSpec = field(default_factory=PartitionSpec)
     partition_by: str | None = None
@@ -76,7 +78,8 @@ class FederationOptions:
         )
 
     def is_default(self) -> bool:
-        """True when these options ask for nothing but today's one client per category."""
+        """True when these options ask for nothing but the natural partition on category with the
+        source's own test rule: a registry dataset's paper clients, one per category."""
         return self == FederationOptions(PartitionSpec(seed=self.partition.seed), self.partition_by) and \
             self.partition_by in (None, "category")
 
@@ -116,20 +119,16 @@ def check_options(name: str, options: FederationOptions) -> None:
             raise UserError("data.partition=natural makes one client per value of a column: set "
                             "data.partition_by=COLUMN, or split the rows with e.g. data.partition=iid "
                             "data.num_clients=N")
-    elif dataset is not None and dataset.table is not None:  # Dolly, FLAN: fixed columns, labelled by category
+    elif dataset is not None:  # Dolly, FLAN, synthetic: fixed columns, labelled by category
         if options.columns != Columns():
             raise UserError(f"data.columns applies to data.name=files; {name} has fixed columns")
         if options.partition_by not in (None, "category"):
             raise UserError(f"data.partition_by for {name} can only be 'category', got {options.partition_by!r}")
         if options.drop_empty:
             raise UserError(f"data.drop_empty applies to data.name=files, not {name}")
-    elif dataset is not None:  # no table: one client per category, as generated (synthetic)
-        if not options.is_default():
-            raise UserError(f"the {name} federation is {len(dataset.categories)} tasks, one client each: "
-                            "data.partition, data.test_set and data.columns do not apply to it")
 
 
-def load_partitioned(
+def federation(
     name: str,
     source: str | None,
     clients: list[str] | None,
@@ -137,21 +136,28 @@ def load_partitioned(
     max_train: int | None,
     max_test: int | None,
     options: FederationOptions,
-) -> tuple[list[TaskData], dict[str, Any]]:
-    """Read federation `name` (your own files, or a dataset with a `table`: Dolly, FLAN) as a table
-    and make its clients."""
+) -> tuple[list[ClientShare], dict[str, Any]]:
+    """Read dataset `name` as a table and make its clients (`make_clients`) from the rows whose
+    label is one of `clients`; None: the dataset's default clients (the paper's categories), or,
+    where it has none (your own files), every label.
+    `source` is the data file or folder (None or empty: none given); for a dataset generated in
+    code (synthetic) `split_seed` seeds it and `max_train`/`max_test` are its sizes."""
     check_options(name, options)
     dataset = DATASETS.get(name)
-    if name == "files":
+    if dataset is None:
+        close = difflib.get_close_matches(name, DATASETS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UserError(f"unknown federation {name!r}; valid: {', '.join(DATASETS)}.{hint}")
+    source = source or None
+    if dataset.table is None:  # your own files
         if not source:
             raise UserError("data.name=files needs its data: --set data.dir=FILE_OR_FOLDER (or a hub id)")
         table = read_table(source, options.columns, options.partition_by, options.drop_empty)
         label_name = options.partition_by or "label"
-    elif dataset is not None and dataset.table is not None:
-        table, label_name = dataset.table(source), "category"
     else:
-        can = ", ".join(n for n, d in DATASETS.items() if n == "files" or d.table is not None)
-        raise UserError(f"federation {name!r} cannot be partitioned; use {can}")
+        table, label_name = dataset.table(source, split_seed, max_train, max_test), "category"
+        if clients is None and dataset.categories:  # every partition: of the default clients' rows
+            clients = list(dataset.categories)
     return make_clients(table, options, clients, split_seed, max_train, max_test, label_name)
 
 
@@ -163,8 +169,10 @@ def make_clients(
     max_train: int | None = None,
     max_test: int | None = None,
     label_name: str = "label",
-) -> tuple[list[TaskData], dict[str, Any]]:
-    """Partition `table` as `options` says and give each client its train and test examples."""
+) -> tuple[list[ClientShare], dict[str, Any]]:
+    """Partition `table` as `options` says and give each client its train and test examples (the
+    first `max_train`/`max_test` of each); `clients`: keep only the rows with those labels (and,
+    for the natural partition, one client per label in that order)."""
     check_limit("max_train", max_train)
     check_limit("max_test", max_test)
     spec = options.partition
@@ -178,10 +186,10 @@ def make_clients(
         check_unique(clients, "client")
         if labels is None:
             raise UserError("data.clients names values of a label column: set data.partition_by=COLUMN")
-        keep = set(clients)
-        missing = [c for c in clients if c not in set(labels)]
+        keep, present = set(clients), set(labels)
+        missing = [c for c in clients if c not in present]
         if missing:
-            raise UserError(f"data.clients: no row has {label_name} = {missing[0]!r}")
+            raise UserError(absent_client(missing[0], label_name, present, table.info.get("source")))
         rows = [i for i, v in enumerate(labels) if v in keep]
         if len(rows) < len(labels):
             dropped[f"{label_name} not among the clients (data.clients)"] += len(labels) - len(rows)
@@ -216,7 +224,7 @@ def make_clients(
     result = partition(labels, spec, n_rows=len(examples), clients=clients, label_name=label_name)
     if result.unassigned:
         dropped[f"left over by the {spec.method} partitioner"] += len(result.unassigned)
-    out: list[TaskData] = []
+    out: list[ClientShare] = []
     mixes: list[Counter[str]] = []  # each client's training examples by label (the mix table)
     for part in result.partitions:
         mine = [examples[i] for i in part.rows]
@@ -230,13 +238,13 @@ def make_clients(
                                 "in the source's test split; use data.test_set=per_client or global")
         else:
             train, test = mine, list(shared_test)
-        out.append(TaskData(task=part.name, train=train[:max_train], test=test[:max_test]))
+        out.append(ClientShare(part.name, train[:max_train], test[:max_test]))
         if labels is not None:
             label_of = {id(examples[i]): labels[i] for i in part.rows}  # the examples are the rows' own objects
             mixes.append(Counter(label_of[id(e)] for e in out[-1].train))
 
     if options.client_names == "labelled":  # after the test hold-outs, which stay seeded by the plain name
-        out = [TaskData(f"{c.task}-{mix.most_common(1)[0][0]}" if mix else c.task, c.train, c.test)
+        out = [ClientShare(f"{c.name}-{mix.most_common(1)[0][0]}" if mix else c.name, c.train, c.test)
                for c, mix in zip(out, mixes, strict=True)]
     info = {
         **{k: v for k, v in table.info.items() if k != "dropped"},
@@ -247,7 +255,7 @@ def make_clients(
                      "per_client": f"per_client (seeded {options.test_fraction:g} hold-out)",
                      "global": "global"}[mode],
         "dropped": dict(sorted(dropped.items())),
-        "clients": [{"name": c.task, "n_train": len(c.train), "n_test": len(c.test),
+        "clients": [{"name": c.name, "n_train": len(c.train), "n_test": len(c.test),
                      **({"labels": dict(mixes[k].most_common())} if mixes else {})} for k, c in enumerate(out)],
     }
     if spec.method == "dirichlet":
@@ -257,6 +265,18 @@ def make_clients(
              ", ".join(f"{n} ({r})" for r, n in info["dropped"].items()) or "none")
     log.info("%s", mix_table(info["clients"], info["partition_by"]))
     return out, info
+
+
+def absent_client(client: str, label_name: str, present: set[str], source: str | None, shown: int = 20) -> str:
+    """The message for a client of data.clients that no row has: the labels there are (the first
+    `shown`, sorted), and the closest one."""
+    values = sorted(present)
+    listed = (", ".join(values[:shown]) + (f", ... ({len(values) - shown} more)" if len(values) > shown else "")
+              if values else "none")
+    close = difflib.get_close_matches(client, values, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    where = f" in {source}" if source else ""
+    return f"data.clients: no example{where} has {label_name} {client!r} (values there: {listed}).{hint}"
 
 
 def mix_table(clients: list[dict], label_name: str | None, rows: int = 20, top: int = 3) -> str:

@@ -69,7 +69,7 @@ def own_files(source: Path | None) -> list[Path] | None:
 
 
 # your own data loads only as a table (`pflalign.data.federate`, with data.columns and data.partition_by)
-DATASET = Dataset(load=None, files=own_files)
+DATASET = Dataset(table=None, files=own_files)
 
 
 def read_table(

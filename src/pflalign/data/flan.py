@@ -15,15 +15,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pflalign.data import Dataset, Example, Table, TaskData
-from pflalign.data.dolly import (
-    check_limit,
-    check_unique,
-    first_line,
-    get_text_field,
-    read_jsonl,
-    unknown_category_error,
-)
+from pflalign.data import Dataset, Example, Table
+from pflalign.data.dolly import first_line, get_text_field, read_jsonl
 from pflalign.errors import UserError
 
 FLAN_CATEGORIES = (
@@ -41,62 +34,17 @@ TEST_FILENAME = "test.jsonl"
 _TRAINING_FILE = re.compile(r"local_training_(\d+)\.json")
 
 
-def load_flan(
-    directory: str,
-    categories: list[str],
-    max_train: int | None = None,
-    max_test: int | None = None,
-) -> list[TaskData]:
-    """Load the FedDPA FLAN files in `directory`; one `TaskData` per category, in order.
-
-    A client's training examples are the records of that category in the
-    `local_training_K.json` files (K ascending, file order), its test examples
-    the lines of `test.jsonl` with that category, in file order. `max_train`/
-    `max_test` keep only the first N of each.
-    """
-    if not categories:
-        raise UserError("no FLAN categories given: name at least one, e.g. coreference")
-    check_unique(categories, "FLAN category")
-    check_limit("max_train", max_train)
-    check_limit("max_test", max_test)
-    root = Path(directory)
-    if not root.is_dir():
-        raise UserError(f"FLAN data directory not found: {root}")
-
-    train = _group_by_category(_training_records(root))
-    test_path = root / TEST_FILENAME
-    if not test_path.is_file():
-        raise UserError(f"FLAN test file not found: {test_path}")
-    test = _group_by_category(read_jsonl(test_path))
-
-    clients = []
-    for category in categories:
-        if category not in train and category not in FLAN_CATEGORIES:
-            raise unknown_category_error("FLAN", category, set(FLAN_CATEGORIES) | set(train))
-        if category not in train:
-            raise UserError(f"FLAN category {category!r} has no training examples in {root}")
-        if category not in test:
-            raise UserError(f"FLAN category {category!r} has no test examples in {test_path}")
-        clients.append(
-            TaskData(
-                task=category,
-                train=train[category][:max_train],
-                test=test[category][:max_test],
-            )
-        )
-    return clients
-
-
 def flan_table(directory: str | None) -> Table:
-    """FedDPA FLAN as a table: the training files (K ascending) as rows, test.jsonl as the test split."""
+    """FedDPA FLAN as a table: the training files (K ascending) as rows, test.jsonl as the test
+    split, each record labelled by its category. The natural partition on category gives client c
+    the training records of category c and, by the test rule, the lines of test.jsonl with that
+    category, each in file order (the paper's clients)."""
     if not directory:
-        raise UserError("the flan federation needs its data folder: pass --data-dir")
+        raise UserError("the flan federation needs its data folder: pass --data-dir pointing at the "
+                        "folder with local_training_K.json and test.jsonl")
     root = Path(directory)
     if not root.is_dir():
         raise UserError(f"FLAN data directory not found: {root}")
-    test_path = root / TEST_FILENAME
-    if not test_path.is_file():
-        raise UserError(f"FLAN test file not found: {test_path}")
 
     def rows(records):
         examples, labels = [], []
@@ -107,6 +55,9 @@ def flan_table(directory: str | None) -> Table:
         return examples, labels
 
     train, train_labels = rows(_training_records(root))
+    test_path = root / TEST_FILENAME
+    if not test_path.is_file():
+        raise UserError(f"FLAN test file not found: {test_path}")
     test, test_labels = rows(read_jsonl(test_path))
     return Table(train, train_labels, test, test_labels, info={"source": str(root), "columns": {
         "instruction": "instruction", "response": "output", "label": "category"},
@@ -114,7 +65,7 @@ def flan_table(directory: str | None) -> Table:
 
 
 def flan_files(source: Path | None) -> list[Path] | None:
-    """The files `load_flan` reads from the folder `source`: the training files (K ascending), then
+    """The files `flan_table` reads from the folder `source`: the training files (K ascending), then
     test.jsonl."""
     if source is None or not source.is_dir():
         return None
@@ -123,17 +74,11 @@ def flan_files(source: Path | None) -> list[Path] | None:
     return [p for _, p in train] + [source / TEST_FILENAME]
 
 
-def _load(source: str | None, categories: list[str] | None, split_seed: int, max_train: int | None,
-          max_test: int | None) -> list[TaskData]:
-    if source is None:
-        raise UserError(
-            "the flan federation needs its data folder: pass --data-dir pointing at the "
-            "folder with local_training_K.json and test.jsonl"
-        )
-    return load_flan(source, list(PAPER_CATEGORIES if categories is None else categories), max_train, max_test)
+def _table(source: str | None, split_seed: int, max_train: int | None, max_test: int | None) -> Table:
+    return flan_table(source)  # the files as they are: the sizes are the test rule's
 
 
-DATASET = Dataset(load=_load, categories=PAPER_CATEGORIES, table=flan_table, files=flan_files)
+DATASET = Dataset(table=_table, categories=PAPER_CATEGORIES, files=flan_files)
 
 
 def _training_records(root: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
@@ -171,17 +116,3 @@ def _read_json_list(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
         if not isinstance(record, dict):
             raise UserError(f"{where}: expected a JSON object, got {type(record).__name__}")
         yield where, record
-
-
-def _group_by_category(
-    records: Iterator[tuple[str, Mapping[str, Any]]],
-) -> dict[str, list[Example]]:
-    """Validate each record and bucket its `Example` under its `category`, keeping order."""
-    grouped: dict[str, list[Example]] = {}
-    for where, record in records:
-        example = Example(
-            prompt=get_text_field(record, "instruction", where).strip(),
-            response=get_text_field(record, "output", where).strip(),
-        )
-        grouped.setdefault(get_text_field(record, "category", where), []).append(example)
-    return grouped

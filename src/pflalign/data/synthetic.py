@@ -15,8 +15,7 @@ import json
 import random
 from collections.abc import Callable
 
-from pflalign.data import Dataset, Example, TaskData
-from pflalign.data.dolly import check_unique, unknown_category_error
+from pflalign.data import ClientShare, Dataset, Example, Table
 from pflalign.errors import UserError
 
 SYNTHETIC_TASKS = ("arithmetic", "sorting", "uppercase", "key_value")
@@ -54,7 +53,7 @@ _KEY_VALUE_TEMPLATES = (
 )
 
 
-def make_synthetic(n_train: int = 64, n_test: int = 16, seed: int = 0) -> list[TaskData]:
+def make_synthetic(n_train: int = 64, n_test: int = 16, seed: int = 0) -> list[ClientShare]:
     """Return the 4 synthetic clients, in `SYNTHETIC_TASKS` order.
 
     Each task draws from its own RNG seeded with `f"{seed}:{task}"`, so the same
@@ -73,41 +72,35 @@ def make_synthetic(n_train: int = 64, n_test: int = 16, seed: int = 0) -> list[T
     for task in SYNTHETIC_TASKS:
         rng = random.Random(f"{seed}:{task}")
         examples = _unique_examples(_GENERATORS[task], rng, n_train + n_test)
-        clients.append(TaskData(task=task, train=examples[:n_train], test=examples[n_train:]))
+        clients.append(ClientShare(task, examples[:n_train], examples[n_train:]))
     return clients
 
 
-def _load(
-    source: str | None,
-    categories: list[str] | None,
-    seed: int,
-    max_train: int | None,
-    max_test: int | None,
-) -> list[TaskData]:
-    """The synthetic federation, optionally only some of its tasks (in the order given)."""
+def synthetic_table(source: str | None, seed: int, max_train: int | None, max_test: int | None) -> Table:
+    """The 4 tasks as one table labelled by task: each task's `max_train` (default 64) examples as
+    rows and its `max_test` (default 16) as the table's test rows, drawn with `seed`
+    (`make_synthetic`). The natural partition on the task and the test rule's own test split give
+    client t exactly task t's examples, whichever tasks `data.clients` keeps (each task draws
+    from its own RNG)."""
     if source is not None:
         raise UserError(
             f"the synthetic federation is generated in code: it takes no data source ({source!r})"
         )
-    if categories is not None and not categories:
-        raise UserError("no synthetic tasks given: name at least one, e.g. arithmetic")
-    for task in categories or ():
-        if task not in SYNTHETIC_TASKS:
-            raise unknown_category_error("synthetic", task, SYNTHETIC_TASKS)
-    check_unique(categories or [], "synthetic task")
-    clients = make_synthetic(
+    tasks = make_synthetic(
         n_train=DEFAULT_TRAIN if max_train is None else max_train,
         n_test=DEFAULT_TEST if max_test is None else max_test,
         seed=seed,
     )
-    if categories is None:
-        return clients
-    by_task = {client.task: client for client in clients}
-    return [by_task[task] for task in categories]
+    return Table(
+        [e for t in tasks for e in t.train], [t.name for t in tasks for _ in t.train],
+        [e for t in tasks for e in t.test], [t.name for t in tasks for _ in t.test],
+        info={"source": "the synthetic tasks (generated in code)", "rows": sum(len(t.train) for t in tasks),
+              "test_rows": sum(len(t.test) for t in tasks), "dropped": {}},
+    )
 
 
 # generated in code: it reads no file (the data cache keys it by its settings alone), and takes no source
-DATASET = Dataset(load=_load, categories=SYNTHETIC_TASKS, files=lambda source: [] if source is None else None)
+DATASET = Dataset(table=synthetic_table, categories=SYNTHETIC_TASKS, files=lambda source: [] if source is None else None)
 
 
 def _unique_examples(

@@ -1,13 +1,13 @@
 """The Flower ClientApp: one federated client, on its own SuperNode.
 
 Which client a node is comes from its node config: ``partition-id`` k (the
-k-th client of the run's partition step, `pflalign.partition`: the k-th
+k-th client of the run's clients, `pflalign.data.clients`: the k-th
 category of ``data.clients``, or client k of ``data.partition``'s split)
 and ``num-partitions`` (must equal the number of clients). Optional
 node-config keys: ``data-dir`` (the dataset on this host; replaces
 ``data.dir``) and ``state-dir`` (see below). Client k computes its own share
 from the run's configuration and its host's data, with the same code as
-``pflalign run`` (`pflalign.run.data_cache.client_data`, `pflalign.partition`):
+``pflalign run`` (`pflalign.run.data_cache.client_data`, `pflalign.data.clients`):
 the same examples in the same order as client k in process.
 
 Three message types, all answered from this one module:
@@ -145,7 +145,7 @@ def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]
     from ..run.client import Client, make_client
     from ..run.data_cache import client_data
     from ..model import build_model
-    from ..partition import client_shares, names_from_config, select, uses_partitioner
+    from ..data.clients import client_shares, names_from_config, select
     from . import quiet_progress_bars, wire
 
     k, n = partition(context)
@@ -160,13 +160,12 @@ def build_client(cfg: RunConfig, context: Context) -> tuple[FederatedLM, Client]
     data_key = repr((model_key, k, cfg.data, data_dir, cfg.batch_size, cfg.max_seq_len))
 
     def federation():
-        # a partition is made from the whole table (making it costs O(N)): once per process for
+        # the clients are made from the whole table (making them costs O(N)): once per process for
         # every client the process serves (a Simulation Engine actor serves many), never sent
         return _cached(repr(("federation", cfg.data, data_dir)), lambda: client_shares(cfg, data_dir))
 
     def load():  # client k's data, tokenized once per host (run/data_cache.py): on a hit nothing is read
-        share = (lambda: select(federation(), [k])[0]) if uses_partitioner(cfg) else None  # else its category alone
-        share, encoded = client_data(cfg, lm.tokenizer, k, data_dir, share)
+        share, encoded = client_data(cfg, lm.tokenizer, k, data_dir, lambda: select(federation(), [k])[0])
         return make_client(k, share, lm.tokenizer, cfg, state={}, encoded=encoded)
 
     if data_key in _CLIENTS:

@@ -243,10 +243,10 @@ def config_from_json(text: str) -> RunConfig:
 
 def client_names(cfg: RunConfig) -> list[str]:
     """The name of every client (partition-id k is the k-th), on the ServerApp's host: from the
-    config (`pflalign.partition.names_from_config`), else, for a natural partition of your own
+    config (`pflalign.data.clients.names_from_config`), else, for a natural partition of your own
     files by a column without ``data.clients`` or with ``data.client_names=labelled``, read
     off the data (``data.dir``) on this host."""
-    from ..partition import client_names as names, names_from_config
+    from ..data.clients import client_names as names, names_from_config
 
     known = names_from_config(cfg)
     if known is not None:

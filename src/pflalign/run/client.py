@@ -23,7 +23,7 @@ from ..errors import TrainingDiverged, UserError
 from ..evaluate import generate, rouge_l
 from ..methods.base import Message, Method, Params, State, StepContext, zeros_like
 from ..optim import make_optimizer, round_lr
-from ..partition import ClientShare
+from ..data.clients import ClientShare
 from ..prompts import IGNORE, Encoded, batch_indices, collate_train, encode_prompt, encode_train
 from ..settings import RunConfig
 

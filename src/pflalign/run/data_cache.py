@@ -6,8 +6,8 @@ file) and tokenized its training examples again (Dolly's largest client:
 about 0.4 s; the chat template runs per example). The result is kept in
 ``$PFLALIGN_CACHE/tokenized/<key>.json`` (``~/.cache/pflalign``): the client's
 name, its train and test examples and their token ids. ``pflalign run`` uses
-it too for today's federations (one client per category); a partitioned one
-it loads whole, once per run.
+it too for the paper's federations (the natural partition on category, default
+options); any other it loads whole, once per run.
 
 The key covers everything the entry depends on: the SHA-256 of every data
 file the loader reads (FLAN's ``local_training_*.json`` and ``test.jsonl``,
@@ -18,8 +18,8 @@ files' content stands for it; the partition's settings among them:
 client, ``max_seq_len``, the tokenizer (its serialized vocabulary, merges and
 normalisation, its chat template, special tokens and class), the
 transformers and tokenizers versions, this package's source (the loaders,
-the partitioners, the prompt format) and, for a partition, the flwr-datasets
-and NumPy versions (their draws). It is stored in the entry and compared on
+the partitioners, the prompt format) and, for a partition other than natural,
+the flwr-datasets and NumPy versions (their draws). It is stored in the entry and compared on
 every read; entries are written atomically (checkpoint.write_json), so a
 half-written one never has the final name and a damaged or foreign one is
 rebuilt. Sources this does not cover (a hub id, a missing file) are read and
@@ -39,8 +39,8 @@ from typing import Callable
 from .. import checkpoint as ckpt
 from ..data import Example
 from ..data.registry import DATASETS
+from ..data.clients import ClientShare, client_shares
 from ..settings import RunConfig
-from ..partition import ClientShare, client_shares, uses_partitioner
 from ..prompts import Encoded, encode_train
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,8 @@ def cache_key(cfg: RunConfig, tokenizer, k: int, data_dir: str | None) -> dict |
     key = {"format": FORMAT, "files": [[name, file_sha256(p)] for name, p in zip(named, files)],
            "data": data, "client": k, "max_seq_len": cfg.max_seq_len, "tokenizer": tok,
            "source": package_source_digest()}
-    if uses_partitioner(cfg):  # the draws are flwr-datasets' and numpy's (data/partition.py)
+    if cfg.data.partition != "natural":  # the draws are flwr-datasets' and numpy's (data/partition.py);
+        # the natural partition draws nothing (each label's rows in table order)
         import flwr_datasets
         import numpy
 

@@ -35,7 +35,7 @@ from .lifecycle import (LossWatch, Recorder, client_row, eval_clients, interrupt
                         warn_at_start)
 from ..methods.base import Method, Params, clone
 from ..model import FederatedLM, build_model, resolve_device
-from ..partition import client_shares_described
+from ..data.clients import client_shares_described
 from .server import RoundRecord, Server
 from .lockstep import check_batch
 from .jobs import ClientSide, ScoreJob, StartedRound, TrainJob, personalized_adapter, run_train_jobs_lockstep

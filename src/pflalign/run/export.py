@@ -408,9 +408,9 @@ def write_run_adapters(out: Path, cfg, adapters: Mapping[str, dict], results: di
 
 def client_names(out: Path, cfg) -> list[str]:
     """The run's clients in order: from results.json when the run finished, else as the run named
-    them (`partition.client_names`: from the config, the dataset's default clients, or its data)."""
+    them (`data.clients.client_names`: from the config, the dataset's default clients, or its data)."""
     from .. import checkpoint as ckpt
-    from ..partition import client_names as configured_names
+    from ..data.clients import client_names as configured_names
 
     results = Path(out) / ckpt.RESULTS
     if results.exists():
