@@ -6,7 +6,8 @@ SmolLM2-135M's architecture (gpu.py's ARCHS, random weights, float32 as on CPU r
 r16 α32 on every linear layer; K clients with adapters of their own and FLAN-shaped minibatches
 (4 examples of 60 to 250 tokens, the last third the response). The same batches two ways, in
 one process: one client after another (`set_lora` + `loss_and_grads`, the sequential engine's
-step) and all K in one pass (`routed_loss_and_grads`, the lockstep engine's). Both pack rows of
+step) and all K in one pass (`lockstep.shared_pass`, the lockstep engine's: `routed_loss_and_grads`,
+or for K = 1 the client's own pass). Both pack rows of
 at most 512 tokens and keep one row's activations at a time, so their memory is alike. Each
 setting's fastest of `--repeats` timed passes (after one untimed), tokens/s, the ratio, and the
 largest relative difference of a client's gradient between the two (a check, not a timing).
@@ -31,7 +32,7 @@ from gpu import ARCHS  # noqa: E402
 from pflalign.config import LoraSettings  # noqa: E402
 from pflalign.model import FederatedLM  # noqa: E402
 from pflalign.prompts import IGNORE  # noqa: E402
-from pflalign.run.lockstep import own_adapter  # noqa: E402
+from pflalign.run.lockstep import PassSize, own_adapter, shared_pass  # noqa: E402
 
 
 def build(arch: str, layers: int | None) -> FederatedLM:
@@ -100,8 +101,8 @@ def main() -> None:
                 _, grads = lm.loss_and_grads(b)
                 alone_grads.append({n: t.clone() for n, t in grads.items()})
 
-        def lockstep():
-            lm.routed_loss_and_grads(batches, adapters)
+        def lockstep():  # the engine's pass (one client: its own pass, `lockstep.alone`)
+            shared_pass(lm, batches, adapters, PassSize())
 
         sequential_s = timed(one_at_a_time, args.repeats)
         lockstep_s = timed(lockstep, args.repeats)

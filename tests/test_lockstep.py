@@ -252,7 +252,14 @@ def test_a_pass_that_runs_out_of_memory_is_split_and_the_size_that_fit_is_kept(t
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
         return real(self, batches, adapters, *args, **kwargs)
 
+    one = type(lm).loss_and_grads
+
+    def one_client(self, *args, **kwargs):  # a pass of one client takes the one-client path
+        passes.append(1)
+        return one(self, *args, **kwargs)
+
     monkeypatch.setattr(type(lm), "routed_loss_and_grads", small_device)
+    monkeypatch.setattr(type(lm), "loss_and_grads", one_client)
     size = PassSize()
     states = [rule.init_client_state(w0) for _ in steps]
     together = lockstep_round(lm, rule, states, w0, received, steps, 0.5, 0, list("abcde"), size=size)
@@ -271,9 +278,10 @@ def test_one_client_that_does_not_fit_is_the_callers_out_of_memory(tiny_llama, m
 
     lm = tiny_llama
 
-    def no_device(self, batches, adapters, *args, **kwargs):
+    def no_device(self, *args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(type(lm), "routed_loss_and_grads", no_device)
+    monkeypatch.setattr(type(lm), "loss_and_grads", no_device)
     with pytest.raises(torch.OutOfMemoryError):
         shared_pass(lm, [batch(lm, [20], 1), batch(lm, [20], 2)], adapters_apart(lm, 2), PassSize())

@@ -82,7 +82,10 @@ def shared_pass(lm, batches: list[dict], adapters: list[Params], size: PassSize)
     while start < len(batches):
         group = slice(start, start + limit)
         try:
-            losses += lm.routed_loss_and_grads(batches[group], adapters[group])
+            if len(batches[group]) == 1:  # one client: its own pass, with the one-adapter kernels
+                losses.append(alone(lm, batches[start], adapters[start]))
+            else:
+                losses += lm.routed_loss_and_grads(batches[group], adapters[group])
         except torch.OutOfMemoryError:
             if limit == 1:
                 raise
@@ -159,6 +162,20 @@ def finish(m: Member) -> ClientRound:
         return m.round.finish()
 
 
+def alone(lm, batch: dict, adapter: Params) -> float:
+    """One client's loss, its gradient left in `adapter`'s ``.grad``: the sequential engine's pass
+    (`loss_and_grads` on the model's own adapter, loaded with `adapter`'s values), whose fused
+    one-adapter kernels (model/lora_mlp.py) a routed pass cannot use."""
+    lm.set_lora(adapter)
+    loss, grads = lm.loss_and_grads(batch)
+    for n, p in adapter.items():
+        if p.grad is None:
+            p.grad = grads[n].clone()
+        else:
+            p.grad.copy_(grads[n])
+    return loss
+
+
 def lockstep_round(lm, method: Method, states: list[State], global_params: Params, received: Message,
                    batches: list[list[dict]], lr: float, round_index: int, names: list[str],
                    on_step: Callable[[int, int, float], None] | None = None,
@@ -184,7 +201,7 @@ def _gradient(lm, live: Params, batch: dict, shared_loss: float) -> Callable[[],
             fresh[0] = False
             return shared_loss, {n: p.grad for n, p in live.items()}
         fresh[0] = False
-        loss = lm.routed_loss_and_grads([batch], [live])[0]  # this client alone, at its weights now
+        loss = alone(lm, batch, live)  # this client alone, at its weights now
         return loss, {n: p.grad for n, p in live.items()}
 
     return gradient
