@@ -33,7 +33,8 @@ LAYERS: list[dict[str, list[str]]] = [
         "setup": ["config", "partition", "run.data_cache"],
     },
     {
-        "client": ["run.client", "run.lockstep", "run.workers", "run.export"],  # the client side, both engines
+        "client": ["run.client", "run.lockstep", "run.workers",  # the client side, both engines
+                   "run.export", "run.adapter_folder", "run.model_card"],  # and the models written out
         "server": ["run.server"],  # the server side, both engines: the method's server rule, w^r, server state
         "lifecycle": ["run.lifecycle"],  # the run folder and its bookkeeping: needs no client code
     },
