@@ -42,7 +42,8 @@ LAYERS: list[dict[str, list[str]]] = [
         "engine": ["run.engine"],  # the two engines side by side: neither imports the other
         "flower": ["flower", "flower.*"],
         "analysis": ["analysis.runs", "analysis.stats", "analysis.tables", "analysis.report", "analysis.report_md",
-                     "analysis.figures", "analysis.claims"],  # beside the engines, no training code
+                     "analysis.figures", "analysis.figure_style", "analysis.client_figures", "analysis.sweep_figure",
+                     "analysis.claims"],  # beside the engines, no training code
     },
     {
         "top": ["pflalign", "__main__", "cli", "api", "commands", "sweep"],
