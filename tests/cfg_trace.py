@@ -2,7 +2,7 @@
 
 A tiny in-process run (`pflalign.run.engine.run`) under `sys.setprofile`: every call of a
 pflalign function that receives the run's config or a part of it (an argument that is one of
-settings.py's dataclasses: `RunConfig`, its `data`, `lora`, `eval`, ...) from a caller that held
+settings/run_config.py's dataclasses: `RunConfig`, its `data`, `lora`, `eval`, ...) from a caller that held
 it too is a *stop*; the stops in the order they are first reached (each
 function counted once) form the trace. A module the trace *re-enters* is one it had already
 left: with the trace's modules in order, every return to a module seen before counts once.

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pflalign import checkpoint as ckpt
+from pflalign.checkpoint import run_checkpoint
 from pflalign.run.client_store import client_records
 from pflalign.cli import main
 from pflalign.config import build_config
@@ -103,7 +104,7 @@ def test_loading_hashes_from_disk_even_a_file_this_process_wrote(tmp_path, caplo
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert ckpt._stat_key(path) in ckpt._written  # a save would take it for the file it wrote
+    assert run_checkpoint._stat_key(path) in run_checkpoint._written  # a save would take it for the file it wrote
     with caplog.at_level(logging.WARNING):
         assert ckpt.load_run_checkpoint(tmp_path)["rounds_done"] == 1
     assert "does not match its checksum" in caplog.text
@@ -157,7 +158,7 @@ def test_a_crash_anywhere_in_a_save_leaves_a_good_checkpoint(tmp_path, monkeypat
         calls.append(dst)
         real_replace(src, dst)
 
-    monkeypatch.setattr(ckpt.os, "replace", replace)
+    monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(Killed):
         ckpt.save_run_checkpoint(tmp_path, _payload(3))
     monkeypatch.undo()

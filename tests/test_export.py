@@ -17,7 +17,8 @@ from pflalign import checkpoint as ckpt
 from pflalign.config import build_config
 from pflalign.run.engine import run
 from pflalign.run.client_store import client_records
-from pflalign.run.export import ADAPTERS, export_run, read_adapter, run_adapters
+from pflalign.run.adapter_folder import read_adapter
+from pflalign.run.export import ADAPTERS, export_run, run_adapters
 
 CLIENTS = ["arithmetic", "sorting"]
 # tiny-opt: its random outputs differ from prompt to prompt and between adapters (tiny-llama's
@@ -333,7 +334,7 @@ def test_gguf_adapters_name_the_dequantized_copy_in_the_cache(tmp_path, monkeypa
     copy in the model cache, which loads alone with the same tensors and says what it is."""
     from transformers import AutoModelForCausalLM
 
-    from pflalign.run.export import base_model
+    from pflalign.run.adapter_folder import base_model
     from pflalign.model import load_base_model
     from tiny_gguf import write_tiny_gguf
 
@@ -440,7 +441,8 @@ def test_generate_on_a_damaged_export_is_one_line_naming_the_file(tmp_path_facto
 
 
 def test_base_and_card_for_a_hub_id_a_folder_and_an_unscored_client(tmp_path):
-    from pflalign.run.export import base_model, model_card
+    from pflalign.run.adapter_folder import base_model
+    from pflalign.run.model_card import model_card
 
     assert base_model("meta-llama/Llama-3.2-1B-Instruct") == \
         ("meta-llama/Llama-3.2-1B-Instruct", "the Hugging Face hub model meta-llama/Llama-3.2-1B-Instruct")
@@ -462,7 +464,7 @@ def test_a_gguf_base_that_cannot_be_cached_is_named_with_what_old_transformers_n
     """Without a writable cache the adapters name the GGUF itself; its sentence says what a user on
     transformers 5.0-5.17 must set, which swap that GGUF tokenizer's BOS and EOS on loading."""
     from pflalign.model import model_cache
-    from pflalign.run.export import base_model
+    from pflalign.run.adapter_folder import base_model
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"")

@@ -282,7 +282,8 @@ def assert_matches_in_process(out: Path, state_dirs: list[Path], ref: dict) -> N
         assert_close(personalized(state_dir, results, k, 2), ref["clients"][k]["personalized"],
                      f"client {k} personalized adapter")
     # the exported adapters: the global one by the ServerApp, each personalized one on its own node
-    from pflalign.run.export import ADAPTERS, read_adapter
+    from pflalign.run.adapter_folder import read_adapter
+    from pflalign.run.export import ADAPTERS
 
     assert_close(read_adapter(out / ADAPTERS / "global"), read_adapter(ref["out"] / ADAPTERS / "global"),
                  "exported global adapter")

@@ -14,7 +14,8 @@ import pytest
 
 from pflalign import checkpoint as ckpt
 from pflalign.cli import main
-from pflalign.run.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTERS
+from pflalign.run.adapter_folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from pflalign.run.export import ADAPTERS
 
 from test_cli import TINY_SET, _error
 

@@ -325,7 +325,7 @@ def test_forty_rows_still_draw_every_figure_with_its_legend_in_columns(sweep_dir
 def test_legend_columns_follow_the_figures_height():
     import matplotlib.pyplot as plt
 
-    from pflalign.analysis.figures import legend_outside
+    from pflalign.analysis.figure_style import legend_outside
 
     for entries, columns in ((5, 1), (20, 1), (40, 2), (90, 5)):  # 21 entries fit 4.2 inches at 8.5 pt
         fig, ax = plt.subplots(figsize=(6.0, 4.2))
@@ -576,7 +576,7 @@ def test_report_without_runs_is_one_line_exit_2(tmp_path, capsys):
 def test_whiskers_the_axis_cuts_end_in_a_mark(tmp_path):
     """The bars' y axis runs from 0 to just over 100 (ROUGE-L ≤ 100); a longer whisker is cut there,
     and a triangle on the axis says so."""
-    from pflalign.analysis.figures import _rouge_bars
+    from pflalign.analysis.client_figures import _rouge_bars
     from pflalign.analysis.report import Row
 
     rows = [Row("fedavg", [0, 1], {"a": 50.0, "b": 98.0}, {"a": 10.0, "b": 12.0}, 74.0, 2.0),  # b: 110 > 105
@@ -593,7 +593,7 @@ def test_scatter_points_with_equal_values_stay_visible(tmp_path, monkeypatch):
     """Points that would land on one spot (equal to 0.01) are spread evenly on a ring around their value."""
     import matplotlib.axes
 
-    from pflalign.analysis.figures import _rouge_scatter, spread_coincident
+    from pflalign.analysis.client_figures import _rouge_scatter, spread_coincident
 
     r = 0.5
     moved = spread_coincident([(1.0, 1.0), (2.0, 2.0), (1.001, 1.0), (1.0, 1.0)], r)

@@ -31,7 +31,7 @@ def cmd_export(args) -> int:
 def adapter_folders(root: Path) -> dict[str, Path]:
     """{"global" | client name: adapter folder} of the adapter folders in `root` (a run's
     ``adapters/`` or a `pflalign export` folder)."""
-    from .run.export import ADAPTER_CONFIG, GLOBAL, INFO
+    from .run.adapter_folder import ADAPTER_CONFIG, GLOBAL, INFO
 
     folders = {}
     for sub in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
@@ -57,7 +57,7 @@ def exported_adapters(path: Path):
     (or a run's ``adapters/``), or one adapter folder; the config is the one each adapter's
     pflalign.json records. None when `path` holds no adapter folder."""
     from .config import build_config
-    from .run.export import ADAPTER_CONFIG, GLOBAL, INFO
+    from .run.adapter_folder import ADAPTER_CONFIG, GLOBAL, INFO
 
     path = Path(path)
     if (path / ADAPTER_CONFIG).exists():  # one adapter folder
@@ -85,7 +85,7 @@ def load_generator(run_dir: Path, client: str | None):
 
     from . import checkpoint as ckpt
     from .config import build_config
-    from .run.export import GLOBAL, merge_adapter
+    from .run.adapter_folder import GLOBAL, merge_adapter
     from .model import load_base_model
 
     run_dir = Path(run_dir)

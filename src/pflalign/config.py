@@ -16,9 +16,11 @@ from pathlib import Path
 
 from .errors import UserError
 from .settings import (OPTIMIZERS, PRESETS, SCHEDULES, SEED_LIMIT, DataColumns, DataConfig,  # noqa: F401
-                       EvalConfig, LogConfig, LoraSettings, OptimizerConfig, RunConfig, _apply, _coerce,
-                       _suggest, check, check_optimizer_values, check_values, load_config_source, parse_set,
-                       parse_value, resolve_defaults, to_dict)
+                       EvalConfig, LogConfig, LoraSettings, OptimizerConfig, RunConfig, check,
+                       check_optimizer_values, check_values, load_config_source, parse_set, parse_value,
+                       resolve_defaults, to_dict)
+from .settings.checks import _suggest
+from .settings.overrides import _apply, _coerce
 
 
 def load_saved_config(path: Path) -> RunConfig:

@@ -376,7 +376,7 @@ def figure(rows: list[tuple[str, str, Difference]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pflalign.analysis.figures import DPI
+    from pflalign.analysis.figure_style import DPI
 
     fig, ax = plt.subplots(figsize=(9, 0.3 * len(rows) + 1.6))
     labels = []

@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from pflalign.analysis.figures import DPI, legend_outside, style  # noqa: E402
+from pflalign.analysis.figure_style import DPI, legend_outside, style  # noqa: E402
 from pflalign.analysis.report import ci95_half_width, find_runs, summarize, sweeps  # noqa: E402
 from pflalign.methods import label  # noqa: E402
 

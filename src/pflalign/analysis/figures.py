@@ -1,55 +1,36 @@
-"""The report's figures (matplotlib, Agg backend, PNG), one dataset at a time.
+"""The report's figures (matplotlib, Agg backend, PNG), one dataset at a time (`write_figures`).
 
-Every curve is a mean over the method's seeds. Each method keeps one colour in
-every figure: the colour is fixed by the method's place in the registry
-(families in the paper's order), not by which methods a report happens to
-hold; pFLAlign is drawn black and thicker, LoRA-modulation baselines dashed.
-A figure whose data is missing (e.g. no `round_eval` lines) is skipped and
-the reason is returned for report.md.
+Every curve is a mean over the method's seeds. The training curves (GSNR, pFLAlign's step, loss,
+consistency, ROUGE-L over rounds) are line figures drawn here; the clients' final scores are
+`client_figures`' bars and scatter, the sweeps `sweep_figure`'s; every figure looks as
+`figure_style` says (each method one colour everywhere). A figure whose data is missing (e.g. no
+`round_eval` lines) is skipped and the reason is returned for report.md.
 """
 
 from __future__ import annotations
 
-import math
-import re
 import statistics
-import zlib
-from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import matplotlib
 
-matplotlib.use("Agg")
+matplotlib.use("Agg")  # before pyplot: figures are drawn without a display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from ..methods import FAMILIES, family, label, method_order  # noqa: E402
+from ..methods import label, method_order  # noqa: E402
 from ..settings import flat  # noqa: E402
 
+from .client_figures import MAX_BAR_CLIENTS, _rouge_bars, _rouge_scatter  # noqa: E402
+from .figure_style import _finish, style  # noqa: E402
 from .runs import figure_client  # noqa: E402  (report does not import this module: report_md does)
-from .tables import sweeps
+from .sweep_figure import _sweeps_figure  # noqa: E402
+from .tables import sweeps  # noqa: E402
 
 if TYPE_CHECKING:  # the rows and runs `report` hands in
     from .runs import Run
     from .tables import Row
-
-DPI = 150
-_KNOWN = [m for _, members in FAMILIES for m in members if m != "pflalign"]
-_TAB20 = plt.get_cmap("tab20").colors
-_PALETTE = list(_TAB20[0::2]) + list(_TAB20[1::2])  # the 10 strong colours first, then their light twins
-
-
-def style(method: str) -> dict:
-    """Colour, line style and width of a method, the same in every figure."""
-    if method == "pflalign":
-        return {"color": "black", "linestyle": "-", "linewidth": 2.4, "zorder": 5}
-    if method in _KNOWN:
-        color = _PALETTE[_KNOWN.index(method) % len(_PALETTE)]
-    else:
-        color = plt.get_cmap("tab20b").colors[zlib.crc32(method.encode()) % 20]
-    dashes = {"LoRA-modulation": "--", "pFLAlign": "-."}.get(family(method), "-")
-    return {"color": color, "linestyle": dashes, "linewidth": 1.4, "zorder": 3}
 
 
 def _mean_curve(runs: list[Run], points) -> tuple[list, list]:
@@ -63,39 +44,9 @@ def _mean_curve(runs: list[Run], points) -> tuple[list, list]:
     return xs, [statistics.fmean(by_x[x]) for x in xs]
 
 
-SCATTER_LEGEND_INSIDE = 12  # methods whose legend fits in the scatter's upper-left corner (Table 1: eleven)
-
-
 def _moving_mean(xs: list, ys: list, window: int) -> tuple[list, list]:
     """Trailing mean over `window` points (from the window-th point on): a readable loss curve."""
     return xs[window - 1:], [statistics.fmean(ys[i - window + 1:i + 1]) for i in range(window - 1, len(ys))]
-
-
-LEGEND_FONT = 8.5  # points
-
-
-def legend_outside(fig, handles: list, labels: list, fontsize: float = LEGEND_FONT) -> None:
-    """A legend right of the axes, in as many columns as its entries need to fit the figure's
-    height (a sweep's report has forty rows: one column would run off the image)."""
-    fits = max(1, int(fig.get_figheight() * 72 / (fontsize * 1.6)) - 1)  # entry height ~1.6 x the font
-    ncols = max(1, math.ceil(len(labels) / fits))
-    if ncols > 1:  # widen the figure by the extra columns, so that the axes keep their width
-        column = (max(map(len, labels)) * 0.55 * fontsize + 30) / 72  # inches: text, marker and gap
-        fig.set_figwidth(fig.get_figwidth() + (ncols - 1) * column)
-    fig.legend(handles, labels, loc="outside right upper", fontsize=fontsize, frameon=False, ncols=ncols)
-
-
-def _finish(fig, axes, path: Path, title: str) -> bool:
-    """The first panel's legend on the right, the title over a lone panel (clear of the legend)
-    or over the figure; saved and closed."""
-    legend_outside(fig, *axes[0][0].get_legend_handles_labels())
-    if len(axes[0]) == 1:
-        axes[0][0].set_title(title, fontsize=11)
-    else:
-        fig.suptitle(title, fontsize=11)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return True
 
 
 def _line_figure(path: Path, by_method: dict, panels: list[tuple], xlabel: str, title: str,
@@ -131,185 +82,6 @@ def _by_method(runs: list[Run], curves: dict) -> dict:
     """{method: {curve name: (xs, ys)}} with `curves` = {name: run → {x: y}}."""
     return {m: {name: _mean_curve([r for r in runs if r.method == m], fn) for name, fn in curves.items()}
             for m in method_order(r.method for r in runs)}
-
-
-def _rouge_bars(path: Path, tasks: list[str], rows: list[Row]) -> list[tuple[str, str, str]]:
-    """Grouped bars: one group per client (and Avg), one bar per method, 95% CI whiskers. A whisker
-    the axis cuts (below 0, or above just over 100: few seeds make long ones) ends in a triangle on
-    the axis, ▼ at the bottom, ▲ at the top. Returns the cut ones as (method, client or "Avg", "low" or "high")."""
-    groups = [*tasks, "Avg"]
-    n = len(rows)
-    width = 0.84 / n
-    top = max([1.0] + [r.avg + (r.avg_ci or 0) for r in rows]
-              + [v + (r.cell_ci.get(t) or 0) for r in rows for t, v in r.cells.items()])
-    y_max = min(top, 100.0) * 1.05  # ROUGE-L ≤ 100: longer whiskers (few seeds) are cut there
-    long = max(map(len, groups)) > TICK_CHARS  # wrapped names (`_wrapped`) need wider groups
-    fig, ax = plt.subplots(figsize=(max(8.0, 1.2 + len(groups) * ((0.9 if long else 0.6) + 0.12 * n)),
-                                    4.6 if long else 4.2), layout="constrained")
-    cut = []
-    for i, row in enumerate(rows):
-        means = [row.cells.get(t, float("nan")) for t in tasks] + [row.avg]
-        cis = [row.cell_ci.get(t) for t in tasks] + [row.avg_ci]
-        xs = [g + (i - (n - 1) / 2) * width for g in range(len(groups))]
-        errs = [c if c is not None else 0.0 for c in cis]
-        st = style(row.method)
-        ax.bar(xs, means, width, color=st["color"], label=label(row.method),
-               edgecolor="black" if row.method == "pflalign" else "none", linewidth=0.6,
-               yerr=errs if any(errs) else None, error_kw={"elinewidth": 0.7, "capsize": 1.5, "ecolor": "0.3"})
-        for x, group, mean, err in zip(xs, groups, means, errs):
-            for side, edge, marker, beyond in (("low", 0.0, "v", mean - err < 0.0),
-                                                ("high", y_max, "^", mean + err > y_max)):
-                if err and beyond:
-                    cut.append((row.method, group, side))
-                    ax.plot([x], [edge], marker=marker, markersize=4, color="0.15", linestyle="none",
-                            clip_on=False, zorder=6)
-    ax.set_xticks(range(len(groups)), [_wrapped(g) for g in groups], fontsize=8 if long else None)
-    ax.set_ylim(0, y_max)
-    ax.set_ylabel("personalized ROUGE-L (×100)")
-    seeds = {len(r.seeds) for r in rows}
-    bars = "one seed each" if seeds == {1} else "mean over seeds"
-    # whiskers only where a row has two seeds or more: the caption says what is drawn, no more
-    whiskers = ", whiskers: 95% CI over seeds" if any(r.avg_ci is not None for r in rows) else " (no interval)"
-    ax.set_xlabel(f"client (task); bars: {bars}{whiskers}" + ("; ▼ ▲: whisker cut at the axis" if cut else ""))
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
-    legend_outside(fig, *ax.get_legend_handles_labels())
-    ax.set_title("Personalized ROUGE-L per client", fontsize=11)
-    fig.savefig(path, dpi=DPI, bbox_inches="tight")  # tight: long legend entries stay inside the image
-    plt.close(fig)
-    return cut
-
-
-TICK_CHARS = 14  # a client name longer than this is wrapped under its group of bars
-
-
-def _wrapped(name: str, width: int = TICK_CHARS) -> str:
-    """A client name on lines of at most `width` characters, broken after its '-' and '_' (a user's
-    names such as client_005-information_extraction side by side would overrun each other)."""
-    lines: list[str] = []
-    for token in re.split(r"(?<=[-_])", name):
-        if lines and len(lines[-1]) + len(token) <= width:
-            lines[-1] += token
-        else:
-            lines.append(token)
-    return "\n".join(lines)
-
-
-MAX_BAR_CLIENTS = 20  # more clients than this: the per-client bars are unreadable; the scatter shows them
-
-
-def spread_coincident(points: list[tuple[float, float]], radius: float) -> list[tuple[float, float]]:
-    """Where the scatter puts `points`: those that would be drawn on one spot (equal to 0.01, the
-    tables' precision) each move `radius` from their value onto a ring, evenly spaced from the top
-    (the j-th of k at 90° + 360°·j/k), so every one stays visible (on the label tasks many methods
-    score alike); a point alone stays where it is."""
-    spots: dict[tuple[float, float], list[int]] = {}
-    for i, (x, y) in enumerate(points):
-        spots.setdefault((round(x, 2), round(y, 2)), []).append(i)
-    out = list(points)
-    for members in spots.values():
-        k = len(members)
-        if k < 2:
-            continue
-        for j, i in enumerate(members):
-            angle = math.pi / 2 + 2 * math.pi * j / k
-            out[i] = (points[i][0] + radius * math.cos(angle), points[i][1] + radius * math.sin(angle))
-    return out
-
-
-SPREAD_RADIUS = 0.012  # coinciding scatter points move this fraction of the axis range (× k / 6 past 6 points)
-
-
-def _rouge_scatter(path: Path, runs: list[Run]) -> bool:
-    """Per-client ROUGE-L, personalized (y) against global (x), one point per client and method
-    (mean over the method's seeds), with the line y = x: above it personalization helped that
-    client. Small translucent markers, so that 100 clients (or 1000) still read as a cloud; points
-    that coincide are spread on a small ring around their value (`spread_coincident`), said under the axes."""
-    by_method: dict[str, list[tuple[float, float]]] = {}
-    for method in method_order(r.method for r in runs):
-        per_task: dict[str, list[tuple[float, float]]] = {}
-        for r in runs:
-            if r.method != method:
-                continue
-            for c in r.results["clients"]:
-                if c.get("rouge_l_global") is not None and c.get("rouge_l_personalized") is not None:
-                    per_task.setdefault(c["task"], []).append((c["rouge_l_global"], c["rouge_l_personalized"]))
-        if per_task:
-            by_method[method] = [(statistics.fmean(g for g, _ in v), statistics.fmean(p for _, p in v))
-                                 for v in per_task.values()]
-    if not by_method:
-        return False
-    points = [pt for pts in by_method.values() for pt in pts]
-    most = max(Counter((round(x, 2), round(y, 2)) for x, y in points).values())
-    radius = SPREAD_RADIUS * max(1.0, *(v for pt in points for v in pt)) * max(1.0, most / 6)
-    shown = iter(spread_coincident(points, radius))
-    fig, ax = plt.subplots(figsize=(5.6, 5.0), layout="constrained")
-    for method, pts in by_method.items():
-        xs, ys = zip(*[next(shown) for _ in pts])
-        st = style(method)
-        size = 28 if len(xs) <= 20 else 10
-        ax.scatter(xs, ys, s=size, alpha=0.65, color=st["color"], edgecolors="none",
-                   label=f"{label(method)} ({len(xs)} clients)")
-    top = max(1.0, *(v for a in (ax.get_xlim(), ax.get_ylim()) for v in a))
-    ax.plot([0, top], [0, top], color="0.4", linestyle="--", linewidth=0.8, label="y = x")
-    ax.set_xlim(0, top)
-    ax.set_ylim(0, top)
-    ax.set_aspect("equal")
-    ax.set_xlabel("global ROUGE-L (×100)" + (f"\npoints that coincide are spread on a ring\nof radius {radius:.2g} "
-                                               "around their value" if most > 1 else ""))
-    ax.set_ylabel("personalized ROUGE-L (×100)")
-    ax.grid(True, alpha=0.3)
-    if len(by_method) <= SCATTER_LEGEND_INSIDE:
-        ax.legend(fontsize=7.5, frameon=False, loc="upper left")
-    else:  # inside, a sweep's forty rows would cover the points and squeeze the axes to nothing
-        legend_outside(fig, *ax.get_legend_handles_labels(), fontsize=7.5)
-    ax.set_title("Per-client ROUGE-L: personalized vs global\n(above the line: personalization helped)", fontsize=10)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return True
-
-
-def _sweeps_figure(path: Path, rows: list[Row]) -> bool:
-    """Avg against the swept value, one panel per setting, one line per sweep (log x when the
-    values span a decade or more); the best value ringed. A diverged point (its Avg measures the
-    blow-up) is left off the line and drawn as × at the axis's foot, so it does not squash the rest."""
-    found = sweeps(rows)
-    if not found:
-        return False
-    settings = list(dict.fromkeys(s.setting for s in found))
-    fig, axes = plt.subplots(1, len(settings), figsize=(5.4 * len(settings) + 1.8, 3.9), layout="constrained",
-                             squeeze=False)
-    for ax, setting in zip(axes[0], settings):
-        mine = [s for s in found if s.setting == setting]
-        held = [(v, row) for s in mine for v, row in s.points if not row.diverged_seeds]
-        low = min([row.avg - (row.avg_ci or 0.0) for _, row in held], default=0.0)
-        high = max([row.avg + (row.avg_ci or 0.0) for _, row in held], default=1.0)
-        margin = max(1.0, 0.08 * (high - low))
-        for s in mine:
-            st = style(s.name.partition("@")[0])
-            kept = [(v, row) for v, row in s.points if not row.diverged_seeds]
-            errs = [row.avg_ci or 0.0 for _, row in kept]
-            if kept:
-                ax.errorbar([v for v, _ in kept], [row.avg for _, row in kept], yerr=errs if any(errs) else None,
-                            label=label(s.name), marker="o", markersize=3.5, capsize=2, **st)
-            gone = [v for v, row in s.points if row.diverged_seeds]
-            if gone:
-                ax.plot(gone, [low - margin] * len(gone), marker="x", markersize=8, color=st["color"],
-                        linestyle="none", clip_on=False, zorder=7)
-            best = s.best()
-            if best is not None:
-                ax.plot([best], [next(row.avg for v, row in s.points if v == best)], marker="o", markersize=11,
-                        markerfacecolor="none", markeredgecolor=st["color"], linestyle="none", zorder=6)
-        ax.set_ylim(low - margin, high + margin)
-        values = sorted({v for s in mine for v, _ in s.points})
-        if values[0] > 0 and values[-1] >= 10 * values[0]:
-            ax.set_xscale("log")
-            ax.set_xticks(values, [f"{v:g}" for v in values])
-            ax.minorticks_off()
-        ax.set_xlabel(setting)
-        ax.set_ylabel("Avg, personalized ROUGE-L (×100)")
-        ax.grid(True, alpha=0.3)
-    return _finish(fig, axes, path, "Avg at each value (ring: the best; × at the foot: diverged)")
 
 
 def _without_rescorings(runs: list[Run]) -> list[Run]:

@@ -39,6 +39,7 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
 from .. import checkpoint as ckpt
+from ..checkpoint.atomic import _atomic_write
 from ..errors import UserError
 from ..params import Params, clone
 
@@ -137,7 +138,7 @@ class ClientStore:
         data = encode(state, personalized)
         name = f"{k}.r{rounds_done}.safetensors"
         try:
-            ckpt._atomic_write(self.folder / name, lambda f: f.write(data))
+            _atomic_write(self.folder / name, lambda f: f.write(data))
         except ckpt.DiskFull as exc:  # no checkpoint names this round's files yet: the last one is whole
             last = rounds_done - 1
             raise ckpt.DiskFull(f"{exc}; " + (f"the previous checkpoint (after round {last}) is intact; free some "
