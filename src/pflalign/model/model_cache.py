@@ -282,7 +282,7 @@ def _build(gguf: Path, dtype: torch.dtype, root: Path, folder: Path, key: dict):
 def cached_folder(gguf: Path, dtype: torch.dtype, root: Path) -> Path | None:
     """The cache folder of `gguf` in `dtype` (built first when missing), a model folder that
     ``AutoModelForCausalLM.from_pretrained`` loads alone: what exported adapters name as their
-    base (`pflalign.run.export.base_model`); None when the cache cannot be written. It gets a
+    base (`pflalign.run.adapter_folder.base_model`); None when the cache cannot be written. It gets a
     README.md saying that its weights are the GGUF's de-quantized (not part of the key)."""
     key = cache_key(gguf, dtype)
     folder = folder_for(root, gguf, key)
