@@ -416,9 +416,10 @@ def timed_steps(step, device: str, batch: int, seq: int, warmup: int, steps: int
 
 def time_training(lm, config, device: str, batch: int, seq: int, warmup: int, steps: int,
                   autocast: bool = False) -> dict:
-    """`autocast`: an experiment, not the library's path: the step under torch.autocast(bfloat16),
-    so that the float32 adapters' matmuls run on bf16 tensor cores (their float32 copies stay the
-    master weights), as the HF Trainer's bf16=True does."""
+    """`autocast`: the step under an outer torch.autocast(bfloat16), so that the float32 adapters'
+    matmuls run on bf16 tensor cores (their float32 copies stay the master weights), as the HF
+    Trainer's bf16=True does. Since issue 55 the library's own step does this on CUDA with a bf16
+    base (`FederatedLM.adapter_autocast`), so there the two rows should agree."""
     data = random_batch(config, batch, seq)
 
     def step() -> float:

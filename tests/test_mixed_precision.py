@@ -86,3 +86,47 @@ def test_bf16_run_exports_float32_adapters_that_peft_loads(tmp_path):
     saved = ckpt.load_checkpoint(tmp_path / "run" / ckpt.CHECKPOINT)["global"]
     for n, w in saved.items():
         assert torch.equal(lora[n], w), n
+
+
+def test_bf16_adapter_products_under_autocast_only_on_cuda_with_a_bf16_base():
+    """Issue 55: on CUDA with a bf16 base the training forward runs under torch.autocast(bfloat16);
+    on the CPU, and in float32 anywhere, the forward is as it was (the pinned results hold)."""
+    lm = FederatedLM.build("tiny-llama", LoraSettings(r=4, alpha=8), seed=0, dtype=torch.bfloat16)
+    assert not torch.is_autocast_enabled("cpu")
+    with lm.adapter_autocast():
+        assert not torch.is_autocast_enabled("cpu")  # a CPU model: off
+    lm.autocast = True
+    with lm.adapter_autocast():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def test_bf16_adapter_products_keep_float32_gradients_and_state_close_to_float32(tmp_path, monkeypatch):
+    """The route a bf16 run takes on CUDA, forced on the CPU: every adapter matmul in bf16 under
+    autocast; the adapters' gradients, the methods' state and the checkpoint stay float32, and a
+    2-round pFLAlign run stays within the bf16 bounds of the float32 run (and differs from the bf16
+    run without autocast: the adapter products really ran in bf16)."""
+    lm = FederatedLM.build("tiny-llama", LoraSettings(r=4, alpha=8), seed=0, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for n, p in lm.lora.items():  # B != 0, so that the adapter's products count
+            p.add_(torch.randn_like(p) * 0.05)
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]]),
+             "attention_mask": torch.ones(1, 8, dtype=torch.long),
+             "labels": torch.tensor([[-100, -100, -100, 8, 9, 10, 11, 12]])}
+    plain, plain_grads = lm.loss_and_grads(batch)
+    plain_grads = {n: g.clone() for n, g in plain_grads.items()}
+    lm.autocast = True
+    cast, grads = lm.loss_and_grads(batch)
+    assert {g.dtype for g in grads.values()} == {torch.float32}
+    assert cast != plain and abs(cast - plain) / abs(plain) < LOSS_RTOL
+    run(_config("pflalign", "float32"), tmp_path / "fp32", progress=False)
+    monkeypatch.setattr(FederatedLM, "adapter_autocast", lambda self: torch.autocast("cpu", dtype=torch.bfloat16))
+    run(_config("pflalign", "bfloat16"), tmp_path / "bf16", progress=False)
+    saved = ckpt.load_checkpoint(tmp_path / "bf16" / ckpt.CHECKPOINT)
+    reference = ckpt.load_checkpoint(tmp_path / "fp32" / ckpt.CHECKPOINT)
+    held = list(tensors_in(saved["global"])) + list(tensors_in(saved["server_state"]))
+    assert {t.dtype for t in held if t.is_floating_point()} <= {torch.float32, torch.float64}
+    got, want = _losses(tmp_path / "bf16"), _losses(tmp_path / "fp32")
+    assert len(got) == len(want) == 8
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < LOSS_RTOL
+    for n, w in reference["global"].items():
+        assert float((saved["global"][n] - w).norm() / w.norm()) < ADAPTER_RTOL, n

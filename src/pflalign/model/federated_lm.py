@@ -42,6 +42,9 @@ class FederatedLM:
     segment_attention: bool = False  # packed rows attend per example (model/attention.py), not under a mask
     fused_mlps: int = 0  # MLPs whose LoRA projections train through lora_mlp.LoraSwiGLU
     fused_norms: int = 0  # RMSNorms that train through rms_norm.RMSNorm
+    # the training forward under torch.autocast(bfloat16) (`adapter_autocast`); None: on CUDA with a
+    # bf16 base, as the HF Trainer's bf16=True runs it; True/False: always/never (tests, benchmarks)
+    autocast: bool | None = None
 
     @classmethod
     def build(cls, spec: str, lora: LoraSettings, seed: int, dtype=torch.float32, device="cpu",
@@ -234,9 +237,26 @@ class FederatedLM:
         extra = {} if position_ids is None else {"position_ids": position_ids}
         if segment_lengths is not None:
             extra["segment_lengths"] = segment_lengths
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).last_hidden_state
+        with self.adapter_autocast():
+            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                              **extra).last_hidden_state
         keep = labels[:, 1:] != IGNORE
         return hidden[:, :-1][keep], labels[:, 1:][keep], keep
+
+    def adapter_autocast(self):
+        """The training forward's precision. With a bf16 base on CUDA (`autocast` None), under
+        torch.autocast(bfloat16): the float32 adapters' matrix products run in bf16 on tensor cores,
+        their float32 tensors staying the master weights (the gradients and every method's state
+        float32), where PEFT alone would cast each LoRA branch's input up to float32 and back
+        (issue 55: the casts led the profile; autocast was 1.24x on LLaMA-3.2-1B, 4 x 1024,
+        benchmarks/results/gpu-after-server.json). Elsewhere (float32, the CPU) the forward as it
+        is. The LM head's loss stays outside (its logits accumulated in float32, model/head_loss.py)."""
+        on = self.autocast
+        if on is None:
+            on = self.device.type == "cuda" and self.base_dtype == torch.bfloat16
+        if not on:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     def _head_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Σ cross-entropy of the LM head's logits of `inputs` against `targets`."""
