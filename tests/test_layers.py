@@ -33,7 +33,7 @@ LAYERS: list[dict[str, list[str]]] = [
         "setup": ["config", "partition", "run.data_cache"],
     },
     {
-        "client": ["run.client", "run.lockstep", "run.workers", "run.export"],  # the client side, both engines
+        "client": ["run.client", "run.lockstep", "run.workers", "run.export", "run.batched_scoring"],  # the client side, both engines
         "server": ["run.server"],  # the server side, both engines: the method's server rule, w^r, server state
         "lifecycle": ["run.lifecycle"],  # the run folder and its bookkeeping: needs no client code
     },

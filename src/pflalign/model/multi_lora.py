@@ -1,4 +1,4 @@
-"""Several clients' LoRA adapters over the one frozen base, in one forward and backward.
+"""Several clients' LoRA adapters over the one frozen base, in one forward (and backward).
 
 In a federated round every client trains the same frozen base with its own adapter, so K
 clients' minibatches can share one pass through the base: the rows of their batches are
@@ -126,3 +126,16 @@ def runs_of(owners: list[int], sizes: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((j, n))
     return runs
+
+
+def row_router(model, names: set[str], adapters: list[Params]):
+    """For decoding with a per-row adapter (evaluate.py's `RowAdapters`): `route(owners, n)`, the
+    context in which one forward of rows of n tokens each (a prefill of padded rows: n their
+    width; a decode step: 1) computes row r with `adapters[owners[r]]`. The rows' tokens are
+    contiguous in the flattened order, so a row is a run; neighbouring rows of one adapter join."""
+    slot = install(model, names)
+
+    def route(owners: list[int], n: int):
+        return routed(slot, Routing(adapters, runs_of(owners, [n] * len(owners))))
+
+    return route

@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import allocator, export, run_dir
+from .batched_scoring import score_jobs_together
 from .. import checkpoint as ckpt, tensorboard
 from .client import Client, draw_batches, make_client
 from .client_store import ClientStore
@@ -239,7 +240,11 @@ class Federation:
         # a bar over their jobs
         bar = tqdm(total=len(jobs), desc=f"eval {label}".strip(), leave=False, unit="job",
                    disable=not self.progress or self.runner.workers == 1)
-        for job, done in zip(jobs, self.runner.map(jobs, {"global": self.global_params}, costs)):
+        shared = {"global": self.global_params}
+        # --batch clients: the adapters' jobs in one decoding loop, a row per prompt with its own adapter
+        done_jobs = (score_jobs_together(self.side, jobs, shared, self.progress) if self.batch == "clients"
+                     else self.runner.map(jobs, shared, costs))
+        for job, done in zip(jobs, done_jobs):
             bar.update(1)
             scores, outputs, seconds = scored[job.model]
             scores.append(done.score)
