@@ -75,11 +75,13 @@ class _Rows:
     def join(self, other: "_Rows") -> None:
         """Append `other`'s rows, both caches left-padded to the longer one (masked)."""
         width = max(self.width(), other.width())
+        # each side's mask at its own width, before the caches widen (an unpadded group's mask is None:
+        # all ones over its cache; made after, it would cover the left padding too)
+        masks = [rows.mask if rows.mask is not None else rows.tokens.new_ones(len(rows.prompts), rows.width())
+                 for rows in (self, other)]
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
             mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
             mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
-        masks = [rows.mask if rows.mask is not None else rows.tokens.new_ones(len(rows.prompts), rows.width())
-                 for rows in (self, other)]
         self.mask = torch.cat([_left_pad(m, width, 1) for m in masks])
         self.tokens = torch.cat([self.tokens, other.tokens])
         self.positions = torch.cat([self.positions, other.positions])
