@@ -228,11 +228,15 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, ba
 
     Prompts are grouped by length (less padding) and decoded with the model's KV cache
     by `greedy_ids`: rows leave as they end, the next group joins when few are left.
-    `per_row`: each prompt with its own adapter (`RowAdapters`); prompts of one length are
-    then ordered by adapter (longer runs of one adapter in a forward).
+    `per_row`: each prompt with its own adapter (`RowAdapters`); the rows of each group (the
+    `batch_size` prompts `greedy_ids` prefills together) are then ordered by adapter, so that a
+    forward computes one run per adapter, not one per change of adapter (the group's padding is
+    its longest prompt's, whatever the order).
     """
-    of = (lambda i: 0) if per_row is None else per_row.of.__getitem__
-    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), of(i)))
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    if per_row is not None:
+        order = [i for s in range(0, len(order), batch_size)
+                 for i in sorted(order[s:s + batch_size], key=per_row.of.__getitem__)]
     bar = tqdm(total=len(prompts), desc=desc, leave=False, disable=not progress, unit="ex")
     sorted_rows = None if per_row is None else RowAdapters([per_row.of[i] for i in order], per_row.route)
     answers = greedy_ids(model, [prompts[i] for i in order], tokenizer.pad_token_id, _eos_ids(model, tokenizer),

@@ -18,6 +18,9 @@ require gradients), so a backward leaves each client's gradient in its own tenso
 with a loss that is the sum of the clients' own mean losses, exactly its own gradient, as if it
 had run alone (up to the rounding of sums taken in another order; tested).
 
+Generation routes the same way (`row_router`): each row of a decoding batch with its own
+adapter, so several clients' models are scored in one loop (run/batched_scoring.py).
+
 The fused SwiGLU MLP (lora_mlp.py) serves one adapter: under a routing it runs the unfused
 module, whose three LoRA projections route as above (on CPU a shared pass is therefore slower
 per token than one client's fused one: benchmarks/batched.py). Nothing changes while no routing is set:
@@ -109,6 +112,13 @@ def _routed_forward(layer, x, *args, **kwargs):
     sizes = [n for _, n in routing.runs]
     if sum(sizes) != flat.shape[0]:
         raise ValueError(f"routing covers {sum(sizes)} tokens, the call has {flat.shape[0]}")
+    if not torch.is_grad_enabled():  # generation: each run's update added in place (no full-size delta to copy)
+        out, start = result.view(-1, result.shape[-1]), 0
+        for (j, n), tokens in zip(routing.runs, flat.split(sizes)):
+            a, b = routing.adapters[j][a_name], routing.adapters[j][b_name]
+            out[start:start + n] += (F.linear(F.linear(tokens.to(a.dtype), a), b) * layer.scaling["default"]).to(out.dtype)
+            start += n
+        return result
     parts = []
     for (j, _), tokens in zip(routing.runs, flat.split(sizes)):
         a, b = routing.adapters[j][a_name], routing.adapters[j][b_name]

@@ -71,8 +71,9 @@ def score_jobs_together(side: ClientSide, jobs: list[ScoreJob], shared: dict, pr
                                for ex in job.test]))
     tic = time.perf_counter()
     try:
-        outputs = generate_per_adapter(side.lm, sets, cfg.eval.max_new_tokens, cfg.eval.batch_size,
-                                       desc="eval (clients together)", progress=progress)
+        outputs = [] if not sets else generate_per_adapter(side.lm, sets, cfg.eval.max_new_tokens,
+                                                           cfg.eval.batch_size, desc="eval (clients together)",
+                                                           progress=progress)
     except (torch.OutOfMemoryError, MemoryError):
         raise OutOfMemory(f"out of memory scoring {len(sets)} models together (--batch clients) with "
                           f"eval.batch_size={cfg.eval.batch_size}, eval.max_new_tokens={cfg.eval.max_new_tokens}, "

@@ -343,7 +343,8 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         allow_recipe_change: bool = False, batch: str = "none") -> dict | None:
     """Run (or resume) one federated job into `out`; returns results, or None when stopped early.
     `workers` > 1: clients train and are scored in that many one-thread processes (`pflalign.run.workers`).
-    `batch` "clients": a round's clients train in lockstep, step t of all in one pass (`pflalign.run.lockstep`).
+    `batch` "clients": a round's clients train in lockstep, step t of all in one pass (`pflalign.run.lockstep`),
+    and their personalized and global models are scored in one decoding loop (`pflalign.run.batched_scoring`).
     `allow_recipe_change`: resume though config.json's training recipe is not the checkpoint's
     (`Recorder.config`)."""
     rec = Recorder(out, resume, overwrite, allow_recipe_change)
