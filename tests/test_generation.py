@@ -249,3 +249,16 @@ def test_the_prompts_shared_start_is_computed_once_without_changing_any_answer(t
             assert all(shape[1] <= max(map(len, prompts)) - shared for shape in prefills[1:])
     finally:
         lm.model.forward = original
+
+
+def test_rows_of_an_unpadded_group_keep_their_padding_masked_when_a_longer_group_joins(trained_lm):
+    """A group of prompts of one length runs without a mask; when a longer group joins, its rows'
+    caches are left-padded and that padding must be masked (it was not: the running rows' mask was
+    made at the widened cache's width, all ones, and they attended to the zero keys; on SmolLM2 a
+    row's logits then moved by up to 23 and "16" became "16.")."""
+    lm = trained_lm
+    prompts = _prompts(lm)
+    short, long_ = min(prompts, key=len), max(prompts, key=len)
+    # [short, short] is one group of one length (no mask); [long_] joins it right after its prefill
+    joined = _loop_ids(lm, [short, short, long_], 12, batch_size=2, refill_at=2)
+    assert joined == [a for p in (short, short, long_) for a in _loop_ids(lm, [p], 12)]

@@ -35,7 +35,8 @@ LAYERS: list[dict[str, list[str]]] = [
     },
     {
         "client": ["run.client", "run.lockstep", "run.jobs", "run.workers",  # the client side, both engines
-                   "run.export", "run.adapter_folder", "run.model_card"],  # and the models written out
+                   "run.export", "run.adapter_folder", "run.model_card",  # and the models written out
+                   "run.batched_scoring"],
         "server": ["run.server"],  # the server side, both engines: the method's server rule, w^r, server state
         "lifecycle": ["run.lifecycle"],  # the run folder and its bookkeeping: needs no client code
     },

@@ -159,8 +159,9 @@ WORKERS_HELP = ("train a round's clients, and score them, in N processes of one 
                 "one-thread run's bit for bit")
 BATCH_CHOICES = ("none", "clients")
 BATCH_HELP = ("clients: train a round's clients in lockstep, local step t of all of them in one forward and "
-              "backward through the base, each with its own adapter (results equal the one-at-a-time run's to "
-              "float rounding; not with --workers > 1 or gradient accumulation); default none: one at a time")
+              "backward through the base, each with its own adapter, and score every client's personalized and "
+              "global models in one decoding loop (results equal the one-at-a-time run's to float rounding; not "
+              "with --workers > 1 or gradient accumulation); default none: one at a time")
 SWEEP_BATCH_HELP = BATCH_HELP.replace("; default none", "; runs: the runs that share a base model together, "
                                       "every client of every run in lockstep; default none")
 

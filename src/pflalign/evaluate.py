@@ -7,8 +7,12 @@ ROUGE-L is the F-measure of `rouge-score`'s ``rougeL`` with Porter stemming,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -71,11 +75,13 @@ class _Rows:
     def join(self, other: "_Rows") -> None:
         """Append `other`'s rows, both caches left-padded to the longer one (masked)."""
         width = max(self.width(), other.width())
+        # each side's mask at its own width, before the caches widen (an unpadded group's mask is None:
+        # all ones over its cache; made after, it would cover the left padding too)
+        masks = [rows.mask if rows.mask is not None else rows.tokens.new_ones(len(rows.prompts), rows.width())
+                 for rows in (self, other)]
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
             mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
             mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
-        masks = [rows.mask if rows.mask is not None else rows.tokens.new_ones(len(rows.prompts), rows.width())
-                 for rows in (self, other)]
         self.mask = torch.cat([_left_pad(m, width, 1) for m in masks])
         self.tokens = torch.cat([self.tokens, other.tokens])
         self.positions = torch.cat([self.positions, other.positions])
@@ -108,9 +114,21 @@ def _shared_prefix(prompts: list[list[int]]) -> int:
     return n
 
 
+@dataclass
+class RowAdapters:
+    """Each prompt's own adapter, in decoding loops whose batches mix adapters (no merging): prompt
+    i takes adapter `of[i]` (an index into the caller's stack of adapters), and `route(owners, n)`
+    is the context inside which one forward of rows of n tokens each computes row r with adapter
+    `owners[r]` (model/multi_lora.py's `row_router`)."""
+
+    of: list[int]
+    route: Callable[[list[int], int], AbstractContextManager]
+
+
 @torch.no_grad()
 def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max_new_tokens: int,
-               batch_size: int, refill_at: int | None = None, on_done=lambda n: None) -> list[list[int]]:
+               batch_size: int, refill_at: int | None = None, on_done=lambda n: None,
+               per_row: RowAdapters | None = None) -> list[list[int]]:
     """The token ids `model.generate` picks greedily for each prompt, EOS included.
 
     Prompts are prefilled `batch_size` at a time, in the given order, left-padded. Unlike
@@ -124,8 +142,20 @@ def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max
     24 of FLAN's 69-88 with SmolLM2) are prefilled once; each group continues from a copy
     of their KV cache, its own tokens left-padded after them (padding masked).
     `on_done(n)` is told of every n prompts finished (progress bars).
+    `per_row`: each prompt decoded with its own adapter (`RowAdapters`), rows of different
+    adapters in one forward; the shared start is then prefilled once per adapter (its keys and
+    values depend on the adapter) and each row continues from its adapter's copy. None: the
+    model as it is, for every prompt.
     """
     refill_at = batch_size // 2 if refill_at is None else refill_at
+    owner = (lambda i: 0) if per_row is None else per_row.of.__getitem__
+
+    def forward(owners: list[int], **inputs):
+        """The model on `inputs`, row r with adapter owners[r] under `per_row` (else as it is)."""
+        route = contextlib.nullcontext() if per_row is None else per_row.route(owners, inputs["input_ids"].shape[1])
+        with route:
+            return model(**inputs)
+
     stop = set(eos)
     groups = [list(range(s, min(s + batch_size, len(prompts)))) for s in range(0, len(prompts), batch_size)]
     answers: list[list[int]] = [[] for _ in prompts]
@@ -147,10 +177,11 @@ def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max
         return rows
 
     prefix = _shared_prefix(prompts)
-    prefix_cache = None
-    if prefix:  # the tokens every prompt starts with (a chat template's system prompt): computed once
-        prefix_cache = _cache_of(model(input_ids=torch.tensor([prompts[0][:prefix]], device=device),
-                                       use_cache=True, logits_to_keep=1))
+    prefix_cache, prefix_row = None, {}
+    if prefix:  # the tokens every prompt starts with (a chat template's system prompt): computed once (per adapter)
+        prefix_row = {j: r for r, j in enumerate(sorted({owner(i) for i in range(len(prompts))}))}
+        prefix_cache = _cache_of(forward(list(prefix_row), use_cache=True, logits_to_keep=1,
+                                         input_ids=torch.tensor([prompts[0][:prefix]] * len(prefix_row), device=device)))
     running: _Rows | None = None
     while groups or running is not None:
         while groups and (running is None or len(running.prompts) <= refill_at):
@@ -166,13 +197,13 @@ def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max
             # positions as generate derives them: count of real tokens so far, 0 on pads
             positions = (prefix + mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
             cache = None
-            if prefix:
+            if prefix:  # each row from its adapter's copy of the shared start
                 cache = copy.deepcopy(prefix_cache)
-                cache.batch_repeat_interleave(len(group))
+                cache.batch_select_indices(torch.tensor([prefix_row[owner(i)] for i in group], device=device))
             # generate drops an all-ones mask (attention then takes its unpadded, causal path): so do we
             mask = None if bool(mask.all()) else torch.cat([mask.new_ones(len(group), prefix), mask], dim=-1)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **{cache_arg: cache},
-                        use_cache=True, logits_to_keep=1)  # logits of the last position only
+            out = forward([owner(i) for i in group], input_ids=ids, attention_mask=mask, position_ids=positions,
+                          **{cache_arg: cache}, use_cache=True, logits_to_keep=1)  # logits of the last position only
             fresh = took(_Rows(group, _cache_of(out), out.logits[:, -1].argmax(-1), positions[:, -1:], mask))
             if fresh is not None and running is not None:
                 running.join(fresh)
@@ -184,24 +215,32 @@ def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max
         rows.positions = rows.positions + 1
         if rows.mask is not None:
             rows.mask = torch.cat([rows.mask, rows.mask.new_ones(len(rows.prompts), 1)], dim=-1)
-        out = model(input_ids=rows.tokens[:, None], attention_mask=rows.mask, position_ids=rows.positions,
-                    **{cache_arg: rows.cache}, use_cache=True, logits_to_keep=1)
+        out = forward([owner(i) for i in rows.prompts], input_ids=rows.tokens[:, None], attention_mask=rows.mask,
+                      position_ids=rows.positions, **{cache_arg: rows.cache}, use_cache=True, logits_to_keep=1)
         rows.cache, rows.tokens = _cache_of(out), out.logits[:, -1].argmax(-1)
         running = took(rows)
     return answers
 
 
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-             desc: str = "generate", progress: bool = True) -> list[str]:
+             desc: str = "generate", progress: bool = True, per_row: RowAdapters | None = None) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded without special tokens.
 
     Prompts are grouped by length (less padding) and decoded with the model's KV cache
     by `greedy_ids`: rows leave as they end, the next group joins when few are left.
+    `per_row`: each prompt with its own adapter (`RowAdapters`); the rows of each group (the
+    `batch_size` prompts `greedy_ids` prefills together) are then ordered by adapter, so that a
+    forward computes one run per adapter, not one per change of adapter (the group's padding is
+    its longest prompt's, whatever the order).
     """
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    if per_row is not None:
+        order = [i for s in range(0, len(order), batch_size)
+                 for i in sorted(order[s:s + batch_size], key=per_row.of.__getitem__)]
     bar = tqdm(total=len(prompts), desc=desc, leave=False, disable=not progress, unit="ex")
+    sorted_rows = None if per_row is None else RowAdapters([per_row.of[i] for i in order], per_row.route)
     answers = greedy_ids(model, [prompts[i] for i in order], tokenizer.pad_token_id, _eos_ids(model, tokenizer),
-                         max_new_tokens, batch_size, on_done=bar.update)
+                         max_new_tokens, batch_size, on_done=bar.update, per_row=sorted_rows)
     bar.close()
     outputs: list[str] = [""] * len(prompts)
     for i, answer in zip(order, answers):

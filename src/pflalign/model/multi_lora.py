@@ -1,4 +1,4 @@
-"""Several clients' LoRA adapters over the one frozen base, in one forward and backward.
+"""Several clients' LoRA adapters over the one frozen base, in one forward (and backward).
 
 In a federated round every client trains the same frozen base with its own adapter, so K
 clients' minibatches can share one pass through the base: the rows of their batches are
@@ -17,6 +17,9 @@ one pair of small matrix products per run, with PEFT's own operation order
 require gradients), so a backward leaves each client's gradient in its own tensors' ``.grad``:
 with a loss that is the sum of the clients' own mean losses, exactly its own gradient, as if it
 had run alone (up to the rounding of sums taken in another order; tested).
+
+Generation routes the same way (`row_router`): each row of a decoding batch with its own
+adapter, so several clients' models are scored in one loop (run/batched_scoring.py).
 
 The fused SwiGLU MLP (lora_mlp.py) serves one adapter: under a routing it runs the unfused
 module, whose three LoRA projections route as above (on CPU a shared pass is therefore slower
@@ -109,6 +112,13 @@ def _routed_forward(layer, x, *args, **kwargs):
     sizes = [n for _, n in routing.runs]
     if sum(sizes) != flat.shape[0]:
         raise ValueError(f"routing covers {sum(sizes)} tokens, the call has {flat.shape[0]}")
+    if not torch.is_grad_enabled():  # generation: each run's update added in place (no full-size delta to copy)
+        out, start = result.view(-1, result.shape[-1]), 0
+        for (j, n), tokens in zip(routing.runs, flat.split(sizes)):
+            a, b = routing.adapters[j][a_name], routing.adapters[j][b_name]
+            out[start:start + n] += (F.linear(F.linear(tokens.to(a.dtype), a), b) * layer.scaling["default"]).to(out.dtype)
+            start += n
+        return result
     parts = []
     for (j, _), tokens in zip(routing.runs, flat.split(sizes)):
         a, b = routing.adapters[j][a_name], routing.adapters[j][b_name]
@@ -126,3 +136,16 @@ def runs_of(owners: list[int], sizes: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((j, n))
     return runs
+
+
+def row_router(model, names: set[str], adapters: list[Params]):
+    """For decoding with a per-row adapter (evaluate.py's `RowAdapters`): `route(owners, n)`, the
+    context in which one forward of rows of n tokens each (a prefill of padded rows: n their
+    width; a decode step: 1) computes row r with `adapters[owners[r]]`. The rows' tokens are
+    contiguous in the flattened order, so a row is a run; neighbouring rows of one adapter join."""
+    slot = install(model, names)
+
+    def route(owners: list[int], n: int):
+        return routed(slot, Routing(adapters, runs_of(owners, [n] * len(owners))))
+
+    return route

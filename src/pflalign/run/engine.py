@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import allocator, export, run_dir
+from .batched_scoring import score_jobs_together
 from .. import checkpoint as ckpt, tensorboard
 from .client import Client, draw_batches, make_client
 from .client_store import ClientStore
@@ -261,7 +262,11 @@ class Federation:
         # a bar over their jobs
         bar = tqdm(total=len(jobs), desc=f"eval {label}".strip(), leave=False, unit="job",
                    disable=not self.progress or self.runner.workers == 1)
-        for job, done in zip(jobs, self.runner.map(jobs, {"global": self.global_params}, costs)):
+        shared = {"global": self.global_params}
+        # --batch clients: the adapters' jobs in one decoding loop, a row per prompt with its own adapter
+        done_jobs = (score_jobs_together(self.side, jobs, shared, self.progress) if self.batch != "none"
+                     else self.runner.map(jobs, shared, costs))
+        for job, done in zip(jobs, done_jobs):
             bar.update(1)
             scores, outputs, seconds = scored[job.model]
             scores.append(done.score)
@@ -345,7 +350,8 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
         allow_recipe_change: bool = False, batch: str = "none") -> dict | None:
     """Run (or resume) one federated job into `out`; returns results, or None when stopped early.
     `workers` > 1: clients train and are scored in that many one-thread processes (`pflalign.run.workers`).
-    `batch` "clients": a round's clients train in lockstep, step t of all in one pass (`pflalign.run.lockstep`).
+    `batch` "clients": a round's clients train in lockstep, step t of all in one pass (`pflalign.run.lockstep`),
+    and their personalized and global models are scored in one decoding loop (`pflalign.run.batched_scoring`).
     `allow_recipe_change`: resume though config.json's training recipe is not the checkpoint's
     (`Recorder.config`)."""
     if batch == "runs":
