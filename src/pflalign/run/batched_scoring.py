@@ -28,7 +28,7 @@ from ..evaluate import RowAdapters, generate, rouge_l
 from ..model import multi_lora
 from ..params import Params
 from ..prompts import encode_prompt
-from .workers import ClientSide, ScoreDone, ScoreJob, out_of_memory, personalized_adapter, run_score_job
+from .jobs import ClientSide, ScoreDone, ScoreJob, out_of_memory, personalized_adapter, run_score_job
 
 
 def generate_per_adapter(lm, sets: list[tuple[Params, list[list[int]]]], max_new_tokens: int, batch_size: int,
