@@ -155,7 +155,8 @@ def test_both_engines_build_their_rounds_and_checkpoints_on_the_server(tmp_path,
 # ---- (c) the loop --------------------------------------------------------------------------------
 def test_the_recorder_only_writes_and_the_engine_owns_a_short_round_loop():
     """`Recorder` takes no callables (it drives nothing); `Federation.train` is one `for r in`
-    loop of at most 20 lines that calls the round, the Recorder's writers and the checkpoint."""
+    loop of at most 20 lines that calls the round and `keep_round`: the Recorder's writers and
+    the checkpoint."""
     for name, fn in inspect.getmembers(Recorder, inspect.isfunction):
         hints = inspect.signature(fn).parameters.values()
         assert not any("Callable" in str(p.annotation) for p in hints), f"Recorder.{name} takes a callable"
@@ -167,5 +168,11 @@ def test_the_recorder_only_writes_and_the_engine_owns_a_short_round_loop():
     assert loop.end_lineno - loop.lineno + 1 <= 20
     called = {node.func.attr for node in ast.walk(loop) if isinstance(node, ast.Call)
               and isinstance(node.func, ast.Attribute)}
-    assert {"train_round", "round", "round_eval", "save", "checkpoint"} <= called
+    assert {"train_round", "keep_round"} <= called
+    # keep_round (shared with the runs in lockstep, run/together.py): the Recorder's writers and the checkpoint
+    kept = ast.parse(textwrap.dedent(inspect.getsource(Federation.keep_round)))
+    assert len(kept.body[0].body) < 10
+    called = {node.func.attr for node in ast.walk(kept) if isinstance(node, ast.Call)
+              and isinstance(node.func, ast.Attribute)}
+    assert {"round", "round_eval", "save", "checkpoint"} <= called
     assert RoundPlan.__dataclass_fields__.keys() == {"ctx", "weights", "aggregation"}
