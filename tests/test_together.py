@@ -134,3 +134,28 @@ def test_the_seeded_start_of_each_run_is_its_own_models():
         own = build_model(cfg).get_lora()
         assert all(torch.equal(w0[n], own[n]) for n in own)
     assert not all(torch.equal(shared.initial[0][n], shared.initial[3][n]) for n in own)
+
+
+def test_ctrl_c_stops_every_run_at_its_last_checkpoint_and_the_sweep_resumes_them(sweep_file, tmp_path, monkeypatch):
+    from pflalign.errors import RunInterrupted
+    from pflalign.run import together
+
+    runs = plan_sweep(str(sweep_file), tmp_path / "together", seeds=[0], methods=["fedavg", "pflalign"])
+    real, calls = together.run_rounds_lockstep, []
+
+    def interrupted_in_round_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(together, "run_rounds_lockstep", interrupted_in_round_2)
+    with pytest.raises(RunInterrupted) as info:
+        run_sweep(runs, progress=False, batch="runs")
+    assert str(info.value).count("interrupted during round 2 of 2; the last finished round (1) is saved") == 2
+    assert [r.state() for r in runs] == ["unfinished", "unfinished"]
+    monkeypatch.undo()
+    run_sweep(runs, progress=False, batch="runs")  # the same command resumes both
+    for r in runs:
+        run(r.cfg, tmp_path / "alone" / r.method, progress=False)
+        assert_runs_close(tmp_path / "alone" / r.method, r.out)

@@ -153,7 +153,10 @@ def _train(runs: list[_Run], progress: bool) -> list[dict | TrainingDiverged]:
                     active.remove(i)
                     outcome[i] = finish_run(r.rec, r.fed, r.seconds)
     except KeyboardInterrupt:
-        said = [str(interrupted(runs[i].rec, runs[i].fed.cfg, runs[i].fed.in_round)) for i in active]
+        # a run between its rounds (another run being scored) is said to stop in its next round
+        said = [str(interrupted(runs[i].rec, runs[i].fed.cfg,
+                                runs[i].next_round if runs[i].fed.in_round is None else runs[i].fed.in_round))
+                for i in active]
         raise RunInterrupted("; ".join(said) or "interrupted") from None
     except OutOfMemory as exc:
         for i in active:
