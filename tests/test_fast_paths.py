@@ -33,7 +33,7 @@ def _observed(lm, monkeypatch, unpadded: bool) -> dict[str, bool]:
     _counting(monkeypatch, attention, "sdpa_attention_forward", seen, "segment_attention",
               when=lambda *a, **k: k.get("is_causal") is True)  # only the per-example call passes it
     _counting(monkeypatch, lora_mlp.LoraSwiGLU, "apply", seen, "fused_lora_mlp")
-    _counting(monkeypatch, lora_mlp.LoraSwiGLU, "apply", seen, "mlp_recompute", when=lambda *a, **k: a[-1] is True)
+    _counting(monkeypatch, lora_mlp.LoraSwiGLU, "apply", seen, "mlp_recompute", when=lambda *a, **k: a[5] is True)  # apply(x, w_g, w_u, w_d, s, recompute, ...)
     _counting(monkeypatch, rms_norm.RMSNorm, "apply", seen, "fused_rms_norm")
     _counting(monkeypatch, model_mod, "head_cross_entropy_sum", seen, "head_loss")
     loss, grads = lm.loss_and_grads(BATCH, unpadded=unpadded, pack_tokens=16 if unpadded else 512)

@@ -88,6 +88,13 @@ def _lora_mlp_reference(x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_d
     return lora(F.silu(lora(x, w_gate, a_gate, b_gate)) * lora(x, w_up, a_up, b_up), w_down, a_down, b_down)
 
 
+def _fused(x, weights, scaling, recompute, runs=None, more=()):
+    """LoraSwiGLU over `weights` in the reference's order (w, A, B of gate, up, down), adapter 0;
+    `more`: further adapters' (A, B) × 3 in the same order, for `runs`."""
+    factors = [weights[i] for i in (1, 2, 4, 5, 7, 8)] + [t for adapter in more for t in adapter]
+    return LoraSwiGLU.apply(x, weights[0], weights[3], weights[6], scaling, recompute, runs, *factors)
+
+
 @settings(max_examples=25, deadline=None)
 @given(tokens=st.integers(1, 12), d=st.integers(1, 10), d_ff=st.integers(1, 14), r=st.integers(1, 4),
        scaling=st.floats(0.1, 4.0), frozen_a=st.booleans(), recompute=st.booleans(), seed=st.integers(0, 2**16))
@@ -102,16 +109,47 @@ def test_lora_swiglu_equals_the_unfused_mlp(tokens, d, d_ff, r, scaling, frozen_
         weights += [rand(d_out, d_in), rand(r, d_in).requires_grad_(not frozen_a), rand(d_out, r).requires_grad_()]
     trainable = [x] + [w for w in weights if w.requires_grad]
     upstream = rand(2, tokens, d)
-    ours = LoraSwiGLU.apply(x, *weights, scaling, recompute)
+    ours = _fused(x, weights, scaling, recompute)
     reference = _lora_mlp_reference(x, *weights, scaling)
     torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
     for g_ours, g_ref in zip(torch.autograd.grad(ours, trainable, upstream),
                              torch.autograd.grad(reference, trainable, upstream)):
         torch.testing.assert_close(g_ours, g_ref, rtol=1e-10, atol=1e-12)
     if frozen_a:
-        ours = LoraSwiGLU.apply(x, *weights, scaling, recompute)
+        ours = _fused(x, weights, scaling, recompute)
         ours.backward(upstream)
         assert all(weights[i].grad is None for i in (1, 4, 7))
+
+
+@settings(max_examples=25, deadline=None)
+@given(owners=st.lists(st.integers(0, 2), min_size=1, max_size=6), d=st.integers(1, 8), d_ff=st.integers(1, 10),
+       r=st.integers(1, 3), frozen_a=st.booleans(), recompute=st.booleans(), seed=st.integers(0, 2**16))
+def test_lora_swiglu_routed_gives_each_run_its_own_adapter(owners, d, d_ff, r, frozen_a, recompute, seed):
+    """Runs of tokens with adapters 0..2 (an adapter may own several runs, one none): output and
+    gradients equal, run by run, the unfused MLP at that run's adapter, in float64; an adapter
+    that owns no token gets a zero gradient (or none), never another's."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    sizes = torch.randint(1, 5, (len(owners),), generator=gen).tolist()
+    x = rand(sum(sizes), d).requires_grad_()
+    bases = [rand(d_ff, d), rand(d_ff, d), rand(d, d_ff)]
+    adapters = []  # per adapter: (A, B) of gate, up, down
+    for _ in range(3):
+        adapters.append([t for d_in, d_out in ((d, d_ff), (d, d_ff), (d_ff, d))
+                         for t in (rand(r, d_in).requires_grad_(not frozen_a), rand(d_out, r).requires_grad_())])
+    upstream = rand(sum(sizes), d)
+    ours = LoraSwiGLU.apply(x, *bases, 1.5, recompute, tuple(zip(owners, sizes)), *[t for a in adapters for t in a])
+    pieces = [_lora_mlp_reference(piece, bases[0], *adapters[j][0:2], bases[1], *adapters[j][2:4], bases[2],
+                                  *adapters[j][4:6], 1.5) for j, piece in zip(owners, x.split(sizes))]
+    reference = torch.cat(pieces)
+    torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
+    trainable = [x] + [t for a in adapters for t in a if t.requires_grad]
+    for g_ours, g_ref in zip(torch.autograd.grad(ours, trainable, upstream, allow_unused=True),
+                             torch.autograd.grad(reference, trainable, upstream, allow_unused=True)):
+        if g_ref is None:  # an adapter that owns no token
+            assert g_ours is None or not g_ours.any()
+        else:
+            torch.testing.assert_close(g_ours, g_ref, rtol=1e-10, atol=1e-12)
 
 
 def _unfused(lm, monkeypatch):

@@ -97,6 +97,20 @@ def test_one_pass_gives_each_client_its_own_loss_and_gradient(request, family, u
         lm.set_lora(saved)
 
 
+def test_a_shared_pass_runs_the_fused_mlp_with_each_clients_adapter(tiny_llama, monkeypatch):
+    """On a Llama model the shared pass takes the fused LoRA MLP (model/lora_mlp.py) under the
+    routing, every MLP call with runs of more than one client (the equalities above then hold
+    for that kernel, not PEFT's modules)."""
+    from pflalign.model import lora_mlp
+
+    seen, apply = [], lora_mlp.LoraSwiGLU.apply
+    monkeypatch.setattr(lora_mlp.LoraSwiGLU, "apply", lambda *a: seen.append(a[6]) or apply(*a))
+    tiny_llama.routed_loss_and_grads([batch(tiny_llama, [40], 4), batch(tiny_llama, [60], 5)],
+                                     adapters_apart(tiny_llama, 2), pack_tokens=512)
+    assert len(seen) == tiny_llama.model.config.num_hidden_layers  # one packed row holds both clients
+    assert all(runs is not None and {j for j, _ in runs} == {0, 1} for runs in seen)
+
+
 def test_a_client_in_the_pass_changes_no_other_clients_gradient(tiny_llama):
     """Client 1's gradient is the same whether client 0 shares its pass or not: no cross-talk
     between the rows of one pass (the test that would fail if an adapter leaked into another

@@ -24,9 +24,11 @@ Dolly round's peak memory down.
 
 `use_fused_lora_mlp` switches the MLPs of a PEFT Llama-family model. The fused
 path runs only when gradients are wanted and the adapter is a plain active
-LoRA (one adapter, no dropout, no DoRA, not merged, not disabled, not routed to
-several clients' adapters: multi_lora.py); anything else — generation, the merged
-adapter of evaluation — runs the module as it was.
+LoRA (no dropout, no DoRA, not merged, not disabled), the model's own or, in a
+shared pass of several clients (multi_lora.py), each run of tokens its client's:
+the base projections once over all tokens, each run's rank-r terms with its own
+factors. Anything else — generation, the merged adapter of evaluation — runs the
+module as it was.
 """
 
 from __future__ import annotations
@@ -38,50 +40,65 @@ import torch.nn.functional as F
 
 
 class LoraSwiGLU(torch.autograd.Function):
-    """out = down(silu(gate(x)) · up(x)), each projection W·x + s·B(A(x)).
+    """out = down(silu(gate(x)) · up(x)), each projection W·x + s·B_j(A_j(x)) with the adapter j
+    of x's token.
 
-    Tensors are handled as (tokens, features). The LoRA term is scaled on its
-    rank-r side and accumulated into the base projection's output by the same
-    GEMM (``addmm_``), so no d_out-wide pass is spent on ``· scaling`` or on the
-    sum, forward or backward.
+    ``apply(x, w_gate, w_up, w_down, scaling, recompute, runs, *factors)``: `factors` are each
+    adapter's six LoRA factors, (a_gate, b_gate, a_up, b_up, a_down, b_down) of adapter 0, then of
+    adapter 1, ...; `runs` says whose tokens are which, ((j, n), ...) over x's tokens in order
+    (multi_lora.Routing's runs), or None: every token takes adapter 0. The base projections run
+    once over all tokens; each run adds its own adapter's term.
+
+    Tensors are handled as (tokens, features). The LoRA term is scaled on its rank-r side and
+    accumulated into the base projection's output by the same GEMM (``addmm_``), so no
+    d_out-wide pass is spent on ``· scaling`` or on the sum, forward or backward.
     """
 
     @staticmethod
-    def forward(ctx, x, w_gate, a_gate, b_gate, w_up, a_up, b_up, w_down, a_down, b_down, scaling, recompute=False):
+    def forward(ctx, x, w_gate, w_up, w_down, scaling, recompute, runs, *factors):
         x2 = x.reshape(-1, x.shape[-1])
-        xa_gate = (x2 @ a_gate.T).mul_(scaling)  # s·A x, (tokens, r)
-        xa_up = (x2 @ a_up.T).mul_(scaling)
-        g = (x2 @ w_gate.T).addmm_(xa_gate, b_gate.T)
-        u = (x2 @ w_up.T).addmm_(xa_up, b_up.T)
+        spans = _spans(runs, x2.shape[0])
+        g = x2 @ w_gate.T
+        xa_gate = _add_lora(g, x2, spans, factors, 0, scaling)  # s·A x, (tokens, r)
+        u = x2 @ w_up.T
+        xa_up = _add_lora(u, x2, spans, factors, 2, scaling)
         h = F.silu(g).mul_(u)
-        ha_down = (h @ a_down.T).mul_(scaling)
-        out = (h @ w_down.T).addmm_(ha_down, b_down.T)
+        out = h @ w_down.T
+        ha_down = _add_lora(out, h, spans, factors, 4, scaling)
         kept = (None, None) if recompute else (g, u)  # recompute: g and u again from x in backward
-        ctx.save_for_backward(x2, *kept, xa_gate, xa_up, ha_down, w_gate, a_gate, b_gate, w_up, a_up, b_up,
-                              w_down, a_down, b_down)
-        ctx.scaling, ctx.x_shape = scaling, x.shape
+        ctx.save_for_backward(x2, *kept, xa_gate, xa_up, ha_down, w_gate, w_up, w_down, *factors)
+        ctx.scaling, ctx.x_shape, ctx.spans = scaling, x.shape, spans
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, d_out):
-        (x2, g, u, xa_gate, xa_up, ha_down, w_gate, a_gate, b_gate, w_up, a_up, b_up,
-         w_down, a_down, b_down) = ctx.saved_tensors
-        s, need = ctx.scaling, ctx.needs_input_grad
-        grads = [None] * 12
+        x2, g, u, xa_gate, xa_up, ha_down, w_gate, w_up, w_down, *factors = ctx.saved_tensors
+        s, spans = ctx.scaling, ctx.spans
+        need = ctx.needs_input_grad[7:]  # of each factor
+        grads: list[torch.Tensor | None] = [None] * len(factors)
+
+        def keep(i: int, grad: torch.Tensor) -> None:  # an adapter may own several runs
+            grads[i] = grad if grads[i] is None else grads[i].add_(grad)
+
         if g is None:  # the forward's operations on the same inputs: the same values
-            g = (x2 @ w_gate.T).addmm_(xa_gate, b_gate.T)
-            u = (x2 @ w_up.T).addmm_(xa_up, b_up.T)
+            g = x2 @ w_gate.T
+            _add_lora(g, x2, spans, factors, 0, s, xa_gate)
+            u = x2 @ w_up.T
+            _add_lora(u, x2, spans, factors, 2, s, xa_up)
         d_out = d_out.reshape(-1, d_out.shape[-1])
 
         # down: out = h W_dᵀ + (s·h A_dᵀ) B_dᵀ
-        d_ha = (d_out @ b_down).mul_(s)  # d(h A_dᵀ)
-        if need[9]:
-            grads[9] = d_out.T @ ha_down
         silu_g = F.silu(g)
-        if need[8]:
-            grads[8] = d_ha.T @ (silu_g * u)  # h, recomputed
-        d_h = (d_out @ w_down).addmm_(d_ha, a_down)
-        del d_out, d_ha
+        d_h = d_out @ w_down
+        for j, lo, hi in spans:
+            i = 6 * j + 4
+            d_ha = (d_out[lo:hi] @ factors[i + 1]).mul_(s)  # d(h A_dᵀ)
+            if need[i + 1]:
+                keep(i + 1, d_out[lo:hi].T @ ha_down[lo:hi])
+            if need[i]:
+                keep(i, d_ha.T @ (silu_g[lo:hi] * u[lo:hi]))  # h, recomputed
+            d_h[lo:hi].addmm_(d_ha, factors[i])
+        del d_out
 
         # h = silu(g) · u
         d_u = d_h * silu_g
@@ -91,44 +108,89 @@ class LoraSwiGLU(torch.autograd.Function):
 
         # gate and up: y = x Wᵀ + (s·x Aᵀ) Bᵀ
         d_x = (d_g @ w_gate).addmm_(d_u, w_up)
-        for d_y, xa, a, b, ia, ib in ((d_g, xa_gate, a_gate, b_gate, 2, 3), (d_u, xa_up, a_up, b_up, 5, 6)):
-            d_xa = (d_y @ b).mul_(s)
-            if need[ib]:
-                grads[ib] = d_y.T @ xa
-            if need[ia]:
-                grads[ia] = d_xa.T @ x2
-            d_x.addmm_(d_xa, a)
-        grads[0] = d_x.view(ctx.x_shape) if need[0] else None
-        return tuple(grads)
+        for j, lo, hi in spans:
+            for d_y, xa, i in ((d_g, xa_gate, 6 * j), (d_u, xa_up, 6 * j + 2)):
+                d_xa = (d_y[lo:hi] @ factors[i + 1]).mul_(s)
+                if need[i + 1]:
+                    keep(i + 1, d_y[lo:hi].T @ xa[lo:hi])
+                if need[i]:
+                    keep(i, d_xa.T @ x2[lo:hi])
+                d_x[lo:hi].addmm_(d_xa, factors[i])
+        d_x = d_x.view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        return (d_x, None, None, None, None, None, None, *grads)
+
+
+def _spans(runs, tokens: int) -> list[tuple[int, int, int]]:
+    """(adapter j, first token, end) of each run; None: one run of adapter 0 over all tokens."""
+    if runs is None:
+        return [(0, 0, tokens)]
+    spans, start = [], 0
+    for j, n in runs:
+        spans.append((j, start, start + n))
+        start += n
+    if start != tokens:
+        raise ValueError(f"routing covers {start} tokens, the call has {tokens}")
+    return spans
+
+
+def _add_lora(y, v, spans, factors, first: int, scaling: float, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """y[run] += (s·v[run] A_jᵀ) B_jᵀ for each run of adapter j, A_j and B_j its factors
+    `first` and `first + 1`; returns the rank-r s·v A_jᵀ of every token (or takes them `kept`)."""
+    parts = []
+    for j, lo, hi in spans:
+        a, b = factors[6 * j + first], factors[6 * j + first + 1]
+        va = (v[lo:hi] @ a.T).mul_(scaling) if kept is None else kept[lo:hi]
+        y[lo:hi].addmm_(va, b.T)
+        parts.append(va)
+    if kept is not None:
+        return kept
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _plain_lora(layer) -> bool:
-    """A PEFT LoRA linear whose forward is exactly W x + s B(A(x)) with the 'default' adapter."""
+    """A PEFT LoRA linear whose forward is exactly W x + s B(A(x)) with the 'default' adapter
+    (or, under a routing, with each run's own adapter in its place: multi_lora.py)."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    from .multi_lora import is_routed
-
     return (
-        isinstance(layer, LoraLinear) and not is_routed(layer) and not layer.disable_adapters and not layer.merged
+        isinstance(layer, LoraLinear) and not layer.disable_adapters and not layer.merged
         and list(layer.active_adapters) == ["default"] and not layer.lora_variant
         and isinstance(layer.lora_dropout["default"], torch.nn.Identity)
         and layer.get_base_layer().bias is None
     )
 
 
+def _factors(projections, x) -> tuple[tuple | None, list[torch.Tensor]] | None:
+    """(runs, factors) for `LoraSwiGLU`: the layers' own adapter, or under a routing every routed
+    adapter's factors and the routing's runs; None where the fused path does not apply (layers
+    routed apart, an adapter in another dtype than x)."""
+    from .multi_lora import routing_of
+
+    routings = {id(routing_of(p)) for p in projections}
+    routing = routing_of(projections[0])
+    if len(routings) != 1:
+        return None
+    if routing is None:
+        factors = [t for p in projections for t in (p.lora_A["default"].weight, p.lora_B["default"].weight)]
+        return (None, factors) if factors[0].dtype == x.dtype else None
+    names = [n for p in projections for n in p._pflalign_names]
+    factors = [adapter[n] for adapter in routing.adapters for n in names]
+    return (tuple(routing.runs), factors) if all(f.dtype == x.dtype for f in factors) else None
+
+
 def _fused_forward(mlp, x):
-    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    if not torch.is_grad_enabled() or not all(_plain_lora(p) for p in (gate, up, down)):
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if not torch.is_grad_enabled() or not all(_plain_lora(p) for p in projections):
         return mlp._pflalign_unfused_forward(x)
-    scalings = {p.scaling["default"] for p in (gate, up, down)}
-    if len(scalings) != 1 or len({x.dtype, gate.lora_A["default"].weight.dtype, gate.get_base_layer().weight.dtype}) != 1:
+    scalings = {p.scaling["default"] for p in projections}
+    found = _factors(projections, x)
+    if len(scalings) != 1 or found is None or len({x.dtype, *(p.get_base_layer().weight.dtype for p in projections)}) != 1:
         return mlp._pflalign_unfused_forward(x)
-    weights = []
-    for p in (gate, up, down):
-        weights += [p.get_base_layer().weight, p.lora_A["default"].weight, p.lora_B["default"].weight]
+    runs, factors = found
     limit = mlp._pflalign_recompute_above
     recompute = limit is not None and x.numel() // x.shape[-1] > limit
-    return LoraSwiGLU.apply(x, *weights, scalings.pop(), recompute)
+    return LoraSwiGLU.apply(x, *(p.get_base_layer().weight for p in projections), scalings.pop(), recompute, runs,
+                            *factors)
 
 
 def use_fused_lora_mlp(model, recompute_above: int | None = None) -> int:

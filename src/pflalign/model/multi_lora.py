@@ -21,9 +21,9 @@ had run alone (up to the rounding of sums taken in another order; tested).
 Generation routes the same way (`row_router`): each row of a decoding batch with its own
 adapter, so several clients' models are scored in one loop (run/batched_scoring.py).
 
-The fused SwiGLU MLP (lora_mlp.py) serves one adapter: under a routing it runs the unfused
-module, whose three LoRA projections route as above (on CPU a shared pass is therefore slower
-per token than one client's fused one: benchmarks/batched.py). Nothing changes while no routing is set:
+The fused SwiGLU MLP (lora_mlp.py) routes too: under a routing its three LoRA projections take
+each run's adapter inside the one autograd function (`routing_of`), so a shared pass keeps the
+fused path's activations and element-wise savings. Nothing changes while no routing is set:
 the layers are switched the first time a model is routed (`install`), and their forward then
 calls PEFT's own unless a routing is active.
 """
@@ -81,10 +81,10 @@ def install(model, names: set[str]) -> _Slot:
     return slot
 
 
-def is_routed(layer) -> bool:
-    """Whether `layer` (a PEFT LoRA linear) computes under a routing now."""
+def routing_of(layer) -> Routing | None:
+    """The routing `layer` (a PEFT LoRA linear) computes under now (None: PEFT's own forward)."""
     slot = getattr(layer, "_pflalign_slot", None)
-    return slot is not None and slot.routing is not None
+    return None if slot is None else slot.routing
 
 
 @contextlib.contextmanager
