@@ -9,8 +9,8 @@ one process: one client after another (`set_lora` + `loss_and_grads`, the sequen
 step) and all K in one pass (`lockstep.shared_pass`, the lockstep engine's: `routed_loss_and_grads`,
 or for K = 1 the client's own pass). Both pack rows of
 at most 512 tokens and keep one row's activations at a time, so their memory is alike. Each
-setting's fastest of `--repeats` timed passes (after one untimed), tokens/s, the ratio, and the
-largest relative difference of a client's gradient between the two (a check, not a timing).
+setting's fastest of `--repeats` timed passes (after one untimed; the two ways in turn), tokens/s,
+the ratio, and the largest relative difference of a client's gradient between the two (a check, not a timing).
 The machine may be shared (a background job at nice 19 on ours): figures are indicative.
 
 `--part score` times the final evaluation both ways (run/batched_scoring.py): K clients of `--score-prompts`
@@ -71,15 +71,19 @@ def flan_batch(g: torch.Generator, vocab: int, size: int = 4) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def timed(fn, repeats: int) -> float:
-    """The fastest of `repeats` calls after an untimed one: on a shared machine the least disturbed."""
-    fn()  # untimed: first-call allocations
-    seconds = []
+def timed(fns, repeats: int) -> list[float]:
+    """Each function's fastest of `repeats` calls after an untimed one, the functions' calls taken
+    in turn (a, b, a, b, ...): on a shared machine the least disturbed of each, and a change of
+    the machine's load falls on both alike."""
+    for fn in fns:
+        fn()  # untimed: first-call allocations
+    seconds = [[] for _ in fns]
     for _ in range(repeats):
-        tic = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - tic)
-    return min(seconds)
+        for fn, own in zip(fns, seconds):
+            tic = time.perf_counter()
+            fn()
+            own.append(time.perf_counter() - tic)
+    return [min(own) for own in seconds]
 
 
 class _Ids:
@@ -122,8 +126,7 @@ def scoring_rows(lm: FederatedLM, vocab: int, clients: list[int], prompts: int, 
         def one_loop():
             outputs["together"] = generate_per_adapter(lm, sets, max_new_tokens, batch_size)
 
-        sequential_s = timed(one_model_at_a_time, repeats)
-        together_s = timed(one_loop, repeats)
+        sequential_s, together_s = timed([one_model_at_a_time, one_loop], repeats)
         tokens = sum(len(answer.split()) for answers in outputs["sequential"] for answer in answers)
         row = {"clients": k, "models": len(sets), "prompts": sum(len(t) for _, t in sets), "tokens": tokens,
                "sequential_s": sequential_s, "together_s": together_s, "sequential_tok_s": tokens / sequential_s,
@@ -152,7 +155,7 @@ def main() -> None:
         rows = scoring_rows(lm, vocab, [int(x) for x in args.clients.split(",")], args.score_prompts,
                             args.max_new_tokens, args.repeats)
         result = {"arch": args.arch, "layers": args.layers or ARCHS[args.arch]["num_hidden_layers"],
-                  "command": "benchmarks/batched.py " + " ".join(sys.argv[1:]), "timing": f"fastest of {args.repeats}",
+                  "command": "benchmarks/batched.py " + " ".join(sys.argv[1:]), "timing": f"fastest of {args.repeats}, taken in turn",
                   "dtype": "float32", "lora": "r16 alpha32 all-linear", "eval_batch_size": 64,
                   "prompts": f"{args.score_prompts} per client, 60 to 250 random tokens",
                   "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
@@ -185,8 +188,7 @@ def main() -> None:
         def lockstep():  # the engine's pass (one client: its own pass, `lockstep.alone`)
             shared_pass(lm, batches, adapters, PassSize())
 
-        sequential_s = timed(one_at_a_time, args.repeats)
-        lockstep_s = timed(lockstep, args.repeats)
+        sequential_s, lockstep_s = timed([one_at_a_time, lockstep], args.repeats)
         diff = max(float((a.grad - alone[n]).norm() / alone[n].norm().clamp_min(1e-30))
                    for adapter, alone in zip(adapters, alone_grads) for n, a in adapter.items())
         row = {"clients": k, "tokens": tokens, "sequential_s": sequential_s, "lockstep_s": lockstep_s,
@@ -195,7 +197,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows.append(row)
     result = {"arch": args.arch, "layers": args.layers or ARCHS[args.arch]["num_hidden_layers"],
-              "command": "benchmarks/batched.py " + " ".join(sys.argv[1:]), "timing": f"fastest of {args.repeats}", "dtype": "float32", "lora": "r16 alpha32 all-linear", "batch": "4 FLAN-shaped examples",
+              "command": "benchmarks/batched.py " + " ".join(sys.argv[1:]), "timing": f"fastest of {args.repeats}, taken in turn", "dtype": "float32", "lora": "r16 alpha32 all-linear", "batch": "4 FLAN-shaped examples",
               "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
               "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
               "note": "shared machine (a background job at nice 19): indicative figures", "rows": rows}
