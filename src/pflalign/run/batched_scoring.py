@@ -15,8 +15,9 @@ differs from a merged one only in the rounding of sums, which moves no argmax th
 
 Runs in lockstep (`pflalign sweep --batch runs`, run/together.py) that finish together are
 scored in one loop (`score_runs_together`): each run's global adapter and its clients'
-personalized ones in one stack, each run's jobs its own ScoreDones. Runs must share the model
-and `eval_key` (prompt template, max_seq_len, eval.batch_size, eval.max_new_tokens).
+personalized ones in one stack, and each run gets its own jobs' scores back. Such runs share the
+model and must share `eval_key` (prompt template, max_seq_len, eval.batch_size and
+eval.max_new_tokens); run/together.py scores runs of other eval settings in loops of their own.
 
 What one loop holds is bounded: at most `LOOP_BYTES` (4 GiB) of adapters in its stack, so
 `adapters_per_loop` = 4 GiB over one adapter's bytes (at SmolLM2-135M with LoRA r16 on every
