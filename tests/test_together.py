@@ -192,7 +192,8 @@ def test_runs_that_finish_together_are_scored_in_one_loop_as_each_alone(tmp_path
     from pflalign.run.together import run_together
     from test_batched_scoring import tiny_run, written
 
-    cfgs = [*two_methods(tmp_path), tiny_run(tmp_path, "fedavg", seed=1, rounds=1, eval={"every": 0, "max_new_tokens": 6})]
+    other_eval = tiny_run(tmp_path, "fedavg", seed=1, rounds=1, eval={"every": 0, "max_new_tokens": 6})
+    cfgs = [*two_methods(tmp_path), other_eval]
     for i, cfg in enumerate(cfgs):
         run(cfg, tmp_path / "alone" / str(i), progress=False)
     loops = loops_spy(monkeypatch)

@@ -265,7 +265,8 @@ class Federation:
                 costs.append(float(sum(len(ex.prompt) + 4 * len(ex.response) for ex in test)))
         return jobs, costs
 
-    def _score(self, models: list[str], label: str = "", limit: int | None = None, done_jobs: list | None = None) -> dict:
+    def _score(self, models: list[str], label: str = "", limit: int | None = None,
+               done_jobs: list | None = None) -> dict:
         """ROUGE-L and outputs of the `score_jobs` of `models`: {model: (scores, outputs, seconds)},
         seconds summed over its clients' jobs. `done_jobs`: those jobs' `ScoreDone`s when already
         scored (with other runs': run/together.py)."""
