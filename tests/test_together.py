@@ -14,6 +14,7 @@ from pflalign.errors import UserError
 from pflalign.run.engine import run
 from pflalign.sweep import plan_sweep, run_sweep
 
+from test_batched_scoring import far_start  # noqa: F401  (a fixture)
 from test_lockstep import assert_runs_close
 
 # three methods, two seeds (so two w^0), SCAFFOLD at its own lr: their rounds share passes
@@ -159,3 +160,91 @@ def test_ctrl_c_stops_every_run_at_its_last_checkpoint_and_the_sweep_resumes_the
     for r in runs:
         run(r.cfg, tmp_path / "alone" / r.method, progress=False)
         assert_runs_close(tmp_path / "alone" / r.method, r.out)
+
+
+# ---- scoring the runs that finish together -------------------------------------------------------
+def loops_spy(monkeypatch) -> list[int]:
+    """The decoding loops of `batched_scoring` from now on: each one's number of (adapter, prompts) sets."""
+    from pflalign.run import batched_scoring
+
+    loops, real = [], batched_scoring.generate_per_adapter
+    monkeypatch.setattr(batched_scoring, "generate_per_adapter",
+                        lambda lm, sets, *a, **k: loops.append(len(sets)) or real(lm, sets, *a, **k))
+    return loops
+
+
+def two_methods(tmp_path, **over):
+    """FedAvg at lr 0.5 and FedSA-LoRA at lr 0.2 (so that their global models differ too) on one
+    federation (seed 0: the same test prompts), one round: models that answer apart
+    (test_batched_scoring's `tiny_run`), no `eval.every`; `over`: eval's keys."""
+    from test_batched_scoring import tiny_run
+
+    return [tiny_run(tmp_path, method, rounds=1, lr=lr, eval={"every": 0, **over})
+            for method, lr in (("fedavg", 0.5), ("fedsa-lora", 0.2))]
+
+
+def test_runs_that_finish_together_are_scored_in_one_loop_as_each_alone(tmp_path, far_start, monkeypatch):
+    """Three runs end in the same step of the lockstep: the two of equal eval settings are scored in
+    one decoding loop (each run's global and 3 personalized adapters over its clients' prompts),
+    the third (other eval.max_new_tokens) in its own; each run writes the results.json and
+    predictions of its run alone, word for word. The runs answer the same prompts apart, so a
+    loop that gave one run's prompts another run's adapters could not pass."""
+    from pflalign.run.together import run_together
+    from test_batched_scoring import tiny_run, written
+
+    other_eval = tiny_run(tmp_path, "fedavg", seed=1, rounds=1, eval={"every": 0, "max_new_tokens": 6})
+    cfgs = [*two_methods(tmp_path), other_eval]
+    for i, cfg in enumerate(cfgs):
+        run(cfg, tmp_path / "alone" / str(i), progress=False)
+    loops = loops_spy(monkeypatch)
+    got = run_together([(cfg, tmp_path / "together" / str(i), False) for i, cfg in enumerate(cfgs)], progress=False)
+    assert loops == [2 * 6, 6]  # 3 clients × (personalized, global) per run; one loop for the first two
+    assert all(results["batch"] == "runs" for results in got)
+    alone = [written(tmp_path / "alone" / str(i)) for i in range(3)]
+    for i in range(3):
+        assert written(tmp_path / "together" / str(i)) == alone[i], i
+    first, second = alone[0][1], alone[1][1]
+    assert [p["prompt"] for p in first] == [p["prompt"] for p in second]
+    for model in ("personalized", "global"):
+        assert sum(a[model] != b[model] for a, b in zip(first, second)) >= 3, model
+
+
+def test_a_cap_on_the_adapters_of_a_loop_changes_no_prediction(tmp_path, far_start, monkeypatch):
+    """Two finished runs on one shared model scored together with at most 1, 2 (`LOOP_BYTES` of
+    two adapters) or all 8 adapters per loop: the same predictions, those each run wrote alone; and
+    the check can fail (each run's global jobs on the other run's global adapter answer otherwise)."""
+    from pflalign.config import build_config
+    from pflalign.run import batched_scoring
+    from pflalign.run.engine import Federation
+    from pflalign.run.together import SharedModel
+
+    outs = [tmp_path / str(i) for i in range(2)]
+    for cfg, out in zip(two_methods(tmp_path, base_model=False), outs):
+        run(cfg, out, progress=False)
+    shared, feds = SharedModel(), []
+    for out in outs:
+        cfg = build_config(None, json.loads((out / ckpt.CONFIG).read_text()))
+        feds.append(Federation(cfg, progress=False, out=out, batch="runs", shared=shared(cfg)))
+        feds[-1].restore(ckpt.load_run_checkpoint(out))
+    parts = [(fed.side, fed.score_jobs(fed.final_models)[0], {"global": fed.global_params}) for fed in feds]
+
+    def predictions(parts, cap=None):
+        return [[done.predictions for done in run_done]
+                for run_done in batched_scoring.score_runs_together(parts, cap=cap)]
+
+    loops = loops_spy(monkeypatch)
+    expected = predictions(parts)
+    assert expected[0] != expected[1]  # the runs' models answer apart
+    for out, run_done in zip(outs, expected):  # each run's jobs: its 3 clients' personalized models, then global
+        rows = [json.loads(line) for line in (out / ckpt.PREDICTIONS).read_text().splitlines()]
+        assert [p["personalized"] for p in rows] == sum(run_done[:3], [])
+        assert [p["global"] for p in rows] == sum(run_done[3:], [])
+    assert predictions(parts, cap=1) == expected
+    size = sum(t.numel() * t.element_size() for t in shared.lm.lora.values())
+    monkeypatch.setattr(batched_scoring, "LOOP_BYTES", 2 * size + 1)
+    assert batched_scoring.adapters_per_loop(shared.lm) == 2
+    assert predictions(parts) == expected
+    # 8 adapters (2 runs × (3 personalized, 1 global: its 3 jobs)): in one loop, one a loop, two a loop
+    assert loops == [12] + [1, 1, 1, 3] * 2 + [2, 4] * 2
+    swapped = [(parts[0][0], parts[0][1], parts[1][2]), (parts[1][0], parts[1][1], parts[0][2])]
+    assert [run_done[3:] for run_done in predictions(swapped)] != [run_done[3:] for run_done in expected]

@@ -32,8 +32,8 @@ from ..config import RunConfig, make_method, to_dict
 from .data_cache import client_data
 from ..errors import OutOfMemory, TrainingDiverged, UserError
 from ..evaluate import add_exact_match
-from .lifecycle import (LossWatch, Recorder, client_row, eval_clients, interrupted, results_summary, sample_clients,
-                        warn_at_start)
+from .lifecycle import (LossWatch, Recorder, client_row, diverged, eval_clients, interrupted, results_summary,
+                        sample_clients, warn_at_start)
 from ..methods.base import Method, Params, clone
 from ..model import FederatedLM, build_model, resolve_device
 from ..data.clients import client_shares_described
@@ -245,10 +245,16 @@ class Federation:
         method's run of a seed, so their numbers compare client by client)."""
         return eval_clients(len(self.clients), self.cfg.eval.clients, self.cfg.seed)
 
-    def _score(self, models: list[str], label: str = "", limit: int | None = None) -> dict:
-        """ROUGE-L and outputs of every scored client (`eval_ids`) on its own test split (its first
-        `limit` examples when given), for each of `models` ("personalized", "global", "base"):
-        {model: (scores, outputs, seconds)}, seconds summed over its clients' jobs."""
+    @property
+    def final_models(self) -> list[str]:
+        """The models of the final scoring; the base model's generations are cached across runs
+        (model/base_cache.py): about 0 s then."""
+        return ["personalized", "global", "base"] if self.cfg.eval.base_model else ["personalized", "global"]
+
+    def score_jobs(self, models: list[str], label: str = "", limit: int | None = None) -> tuple[list, list[float]]:
+        """The `ScoreJob` of every scored client (`eval_ids`) on its own test split (its first
+        `limit` examples when given) for each of `models` ("personalized", "global", "base"), and
+        each job's cost (which to start first)."""
         jobs, costs = [], []
         for model in models:
             for k in self.eval_ids:
@@ -257,15 +263,24 @@ class Federation:
                 jobs.append(ScoreJob(k, model, self.store.records[k], test, f"eval {label}{model} {c.name}"))
                 # which to start first: the long answers are the slow ones (a guess from the references)
                 costs.append(float(sum(len(ex.prompt) + 4 * len(ex.response) for ex in test)))
+        return jobs, costs
+
+    def _score(self, models: list[str], label: str = "", limit: int | None = None,
+               done_jobs: list | None = None) -> dict:
+        """ROUGE-L and outputs of the `score_jobs` of `models`: {model: (scores, outputs, seconds)},
+        seconds summed over its clients' jobs. `done_jobs`: those jobs' `ScoreDone`s when already
+        scored (with other runs': run/together.py)."""
+        jobs, costs = self.score_jobs(models, label, limit)
         scored = {model: ([], [], 0.0) for model in models}
         # one process shows a bar per client as it generates (score_client); workers show none, so here
         # a bar over their jobs
         bar = tqdm(total=len(jobs), desc=f"eval {label}".strip(), leave=False, unit="job",
                    disable=not self.progress or self.runner.workers == 1)
         shared = {"global": self.global_params}
-        # --batch clients: the adapters' jobs in one decoding loop, a row per prompt with its own adapter
-        done_jobs = (score_jobs_together(self.side, jobs, shared, self.progress) if self.batch != "none"
-                     else self.runner.map(jobs, shared, costs))
+        # --batch: the adapters' jobs in one decoding loop, a row per prompt with its own adapter
+        if done_jobs is None:
+            done_jobs = (score_jobs_together(self.side, jobs, shared, self.progress) if self.batch != "none"
+                         else self.runner.map(jobs, shared, costs))
         for job, done in zip(jobs, done_jobs):
             bar.update(1)
             scores, outputs, seconds = scored[job.model]
@@ -291,15 +306,14 @@ class Federation:
                  "n_test": len(self.clients[k].data.test[:limit]), "rouge_l_personalized": p, "rouge_l_global": g}
                 for k, p, g in zip(self.eval_ids, scored["personalized"][0], scored["global"][0])]
 
-    def evaluate(self, known: dict | None = None) -> tuple[dict, list[dict]]:
+    def evaluate(self, known: dict | None = None, done_jobs: list | None = None) -> tuple[dict, list[dict]]:
         """The final scores and predictions of every scored client; `known`: {model: (scores, outputs)}
-        already scored under this very config (a rescore's global model), taken as they are."""
+        already scored under this very config (a rescore's global model), taken as they are;
+        `done_jobs`: the `ScoreDone` of each of `score_jobs(final_models)`, scored with other runs'."""
         cfg = self.cfg
         ids = self.eval_ids
         known = known or {}
-        # the base model's generations are cached across runs (model/base_cache.py): about 0 s then
-        models = ["personalized", "global", "base"] if cfg.eval.base_model else ["personalized", "global"]
-        scored = self._score([m for m in models if m not in known])
+        scored = self._score([m for m in self.final_models if m not in known], done_jobs=done_jobs)
         scored.update({m: (scores, outputs, 0.0) for m, (scores, outputs) in known.items()})
         none = [None] * len(ids)
         personal_scores, personal_out, _ = scored["personalized"]
@@ -409,15 +423,16 @@ def open_run(cfg: RunConfig | None, out: Path | str, resume: bool, overwrite: bo
     return rec, fed, start
 
 
-def finish_run(rec: Recorder, fed: Federation, train_seconds: float) -> dict:
-    """A run whose rounds are done: every client scored, the adapters written, results.json last
-    (what marks the run finished)."""
+def finish_run(rec: Recorder, fed: Federation, train_seconds: float, done_jobs: list | None = None) -> dict:
+    """A run whose rounds are done: every client scored (`done_jobs`: already, with other runs',
+    `Federation.evaluate`; their seconds counted as this run's), the adapters written, results.json
+    last (what marks the run finished)."""
     cfg = fed.cfg
     if fed.truncated:  # over every client that trained (tokenized when first sampled)
         log.warning("%d training examples exceeded max_seq_len=%d and were truncated", fed.truncated,
                     cfg.max_seq_len)
-    tic = time.perf_counter()
-    results, predictions = fed.evaluate()
+    tic = time.perf_counter() - sum(done.seconds for done in done_jobs or [])
+    results, predictions = fed.evaluate(done_jobs=done_jobs)
     add_exact_match(results, predictions)  # beside ROUGE-L, from the same outputs
     # the models as evaluated, as PEFT adapter folders (run/export.py), before results.json marks the run finished
     try:
@@ -432,10 +447,3 @@ def finish_run(rec: Recorder, fed: Federation, train_seconds: float) -> dict:
                       memory_allocator=allocator.active(), workers=fed.workers,
                       threads_per_worker=fed.runner.threads(), **how)
 
-
-def diverged(rec: Recorder, exc: TrainingDiverged) -> TrainingDiverged:
-    """A run stopped on a non-finite value: the diverged round's lines dropped, and the error saying
-    which checkpoint is kept."""
-    rec.rollback()  # the diverged round leaves no lines
-    kept = f"; the checkpoint after round {rec.saved[0]} is kept" if rec.saved[0] else ""
-    return TrainingDiverged(f"{exc}{kept}")

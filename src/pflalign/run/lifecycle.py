@@ -24,7 +24,7 @@ import numpy as np
 from .. import checkpoint as ckpt
 from ..config import RunConfig, load_saved_config, recipe, to_dict
 from ..settings import ADAMW_LR
-from ..errors import RunInterrupted, UserError
+from ..errors import RunInterrupted, TrainingDiverged, UserError
 from ..run_stats import (CLIENT_BLOWUP_RATIO, DIVERGED_LOSS_RATIO, client_starts, distribution,  # noqa: F401  (their former home)
                          early_level, judgeable_start, start_loss)
 
@@ -313,3 +313,11 @@ def interrupted(rec: Recorder, cfg: RunConfig, in_round: int | None) -> RunInter
                               "run the same command again")
     return RunInterrupted(f"interrupted {where}; the last finished round ({rounds}) is saved; resume with: "
                           f"pflalign run --out {shlex.quote(str(rec.out))} --resume")
+
+
+def diverged(rec: Recorder, exc: TrainingDiverged) -> TrainingDiverged:
+    """A run stopped on a non-finite value: the diverged round's lines dropped, and the error saying
+    which checkpoint is kept."""
+    rec.rollback()  # the diverged round leaves no lines
+    kept = f"; the checkpoint after round {rec.saved[0]} is kept" if rec.saved[0] else ""
+    return TrainingDiverged(f"{exc}{kept}")

@@ -8,9 +8,14 @@ run goes through `jobs.run_rounds_lockstep`: local step t of all their clients i
 (`lockstep.shared_pass`, as many as fit the device's memory), each client's step then taken by its
 own run's method. Everything else is each run's own, exactly as `engine.run` has it: its
 `Federation` (method, server, clients' files, seeded w^0), its run folder (`Recorder`: config,
-metrics lines, checkpoint after every round, `--resume`), its scoring, adapters and results.json
-(which records ``batch: "runs"``). Runs at different rounds (one resumed, one new) train side
-by side, each its own next round; a run that finishes is scored and written at once.
+metrics lines, checkpoint after every round, `--resume`), its adapters and results.json (which
+records ``batch: "runs"``). Runs at different rounds (one resumed, one new) train side by side,
+each its own next round. The runs that finish in the same step of the lockstep (runs of equal
+rounds: all of them at once) are scored together: every personalized and global model of all of
+them (each run's global adapter, its scored clients' personalized ones) in one decoding loop
+(`batched_scoring.score_runs_together`; runs of other eval settings, `eval_key`, in a loop of
+their own; a loop holds at most `batched_scoring.LOOP_BYTES` of adapters, beyond it several
+loops), then each run writes its own adapters and results.json, as alone; the others train on.
 
 A run whose training reaches a non-finite value stops alone, as in a sweep one after another:
 its round's lines are dropped, its last checkpoint kept, and the others go on
@@ -30,9 +35,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from . import run_dir
-from .engine import Federation, diverged, finish_run, open_run
+from .batched_scoring import eval_key, score_runs_together
+from .engine import Federation, finish_run, open_run
 from .jobs import run_rounds_lockstep
-from .lifecycle import interrupted
+from .lifecycle import diverged, interrupted
 from .lockstep import PassSize
 from ..config import RunConfig
 from ..errors import OutOfMemory, RunInterrupted, TrainingDiverged
@@ -89,6 +95,14 @@ class _Run:
     def done(self) -> bool:
         return self.next_round >= self.fed.cfg.rounds
 
+    @property
+    def stops_in(self) -> int | None:
+        """The round an interrupt stops it in: the one being trained, the next between its rounds
+        (others being trained or scored), None (its final evaluation) once its rounds are done."""
+        if self.done:
+            return None
+        return self.next_round if self.fed.in_round is None else self.fed.in_round
+
 
 def run_together(runs: list[tuple[RunConfig, Path, bool]], progress: bool = True) -> list[dict | TrainingDiverged]:
     """Train the runs (config, run folder, resume) in lockstep on one shared model; each run's
@@ -117,13 +131,12 @@ def _train(runs: list[_Run], progress: bool) -> list[dict | TrainingDiverged]:
         r.watch = r.fed.attach(r.rec)
     bar = tqdm(total=sum(r.fed.cfg.rounds - r.next_round for r in runs), desc=f"rounds of {len(runs)} runs",
                disable=not progress, unit="round")
-    active = [i for i, r in enumerate(runs) if not r.done]
-    for i, r in enumerate(runs):
-        if r.done:  # its rounds were all done before (a run stopped in its final evaluation)
-            outcome[i] = finish_run(r.rec, r.fed, 0.0)
+    active = list(range(len(runs)))  # the runs not yet finished or stopped
     try:
+        # the runs whose rounds were all done before (stopped in their final evaluation)
+        _finish(runs, [i for i in active if runs[i].done], active, outcome)
         while active:
-            started = []
+            started, ended = [], []
             for i in active:
                 runs[i].fed.in_round = runs[i].next_round
                 started.append(runs[i].fed.start_round(runs[i].next_round))
@@ -150,13 +163,10 @@ def _train(runs: list[_Run], progress: bool) -> list[dict | TrainingDiverged]:
                     log.info("%s: round %d/%d: mean loss %.4f (%.1f s, %d runs)", r.rec.out, r.next_round,
                              r.fed.cfg.rounds, record.mean_loss, seconds, len(started))
                 if r.done:
-                    active.remove(i)
-                    outcome[i] = finish_run(r.rec, r.fed, r.seconds)
+                    ended.append(i)
+            _finish(runs, ended, active, outcome)
     except KeyboardInterrupt:
-        # a run between its rounds (another run being scored) is said to stop in its next round
-        said = [str(interrupted(runs[i].rec, runs[i].fed.cfg,
-                                runs[i].next_round if runs[i].fed.in_round is None else runs[i].fed.in_round))
-                for i in active]
+        said = [str(interrupted(runs[i].rec, runs[i].fed.cfg, runs[i].stops_in)) for i in active]
         raise RunInterrupted("; ".join(said) or "interrupted") from None
     except OutOfMemory as exc:
         for i in active:
@@ -166,3 +176,20 @@ def _train(runs: list[_Run], progress: bool) -> list[dict | TrainingDiverged]:
     finally:
         bar.close()
     return outcome
+
+
+def _finish(runs: list[_Run], ended: list[int], active: list[int], outcome: list) -> None:
+    """The runs `ended` (their rounds done in the same step of the lockstep) scored together: all
+    their personalized and global models in one decoding loop per group of runs of equal eval
+    settings (`batched_scoring.eval_key`); then each run's adapters and results.json written
+    (`finish_run`), and the run no longer active."""
+    groups: dict[tuple, list[int]] = {}
+    for i in ended:
+        groups.setdefault(eval_key(runs[i].fed.cfg), []).append(i)
+    for members in groups.values():
+        feds = [runs[i].fed for i in members]
+        scored = score_runs_together([(fed.side, fed.score_jobs(fed.final_models)[0], {"global": fed.global_params})
+                                      for fed in feds], feds[0].progress)
+        for i, done_jobs in zip(members, scored):
+            outcome[i] = finish_run(runs[i].rec, runs[i].fed, runs[i].seconds, done_jobs)
+            active.remove(i)
