@@ -9,7 +9,7 @@
 # machine in parts over consecutive calls on one warm machine (../gpu-stage.sh):
 #
 #   here:   bash docs/results/table1-dolly/gpu-runs.sh prepare       (.gpu/; prints each call's carry)
-#   then, back to back (a machine stays warm about 30 s after a call), with the tree at 24 MiB:
+#   then, back to back (a machine stays warm about 30 s after a call), with the tree at 23 MiB:
 #   call 1: run(command="bash docs/results/table1-dolly/gpu-runs.sh stage /tmp/pfl-gpu", timeout_s=120,
 #               carry=[".gpu/model.part-00", ".gpu/model.sha256", ".gpu/whl", ".gpu/dolly.tar.gz"])
 #   call 2: run(command="bash docs/results/table1-dolly/gpu-runs.sh stage /tmp/pfl-gpu", timeout_s=120,
@@ -20,8 +20,11 @@
 #   here:   mkdir -p /tmp/dolly-gpu && tar xzf FILES_AT/runs.tar.gz -C /tmp/dolly-gpu &&
 #           RUNS=/tmp/dolly-gpu bash docs/results/table1-dolly/collect.sh
 #
-# `prepare` sizes the parts to the tree that travels: 3 parts with today's 24 MiB tree, 2 if the
-# committed runs are out of git's index for the calls (as the tenth session did: 2.6 MB). SKIP
+# `prepare` sizes the parts to the tree that travels: 3 parts with the tree at 23 MiB (2026-11-28),
+# 2 if the committed runs are out of git's index for the calls (as the tenth session did: 2.6 MB);
+# make it just before the calls. Call 1's `stage` prints "imports: ok" or the import that fails
+# with the image's packages (the tenth session's FLAN runs there needed the same partition code,
+# so datasets and flwr-datasets; which wheels it carried is not recorded). SKIP
 # leaves out runs the CPU grid is on (row/seedK, space-separated: its log's last phase and
 # ~/dolly-runs say which). `run` writes every finished run's small files (../keep-run.sh) as
 # OUT/runs.tar.gz, in collect.sh's layout (dolly/<row>/seed<k>/), with OUT/logs.tar.gz and
