@@ -7,10 +7,9 @@
 # gpu_prepare NAME=PATH...  here, from the repository root: fills .gpu/ (ignored by git) with
 #     whl/ (what the GPU image lacks, at the venv's versions: gguf for the GGUF, datasets and
 #     flwr-datasets with dill and multiprocess for the natural partition of the paper's federations,
-#     and the ROUGE-L of benchmarks/gpu_wheels.sh), each data
-#     file or folder PATH as NAME.tar.gz, the GGUF in parts sized so that each call fits with the
-#     tree (the first call also carries the wheels and the data), and the GGUF's sha256; prints
-#     each call's carry list.
+#     and the ROUGE-L of benchmarks/gpu_wheels.sh), each data file or folder PATH as NAME.tar.gz,
+#     the GGUF in parts sized so that each call fits with the tree (the first call also carries the
+#     wheels and the data), and the GGUF's sha256; prints each call's carry list.
 # gpu_stage STAGE  there, first in every call: copies what the call carried to STAGE outside the
 #     tree (model parts, wheels installed into STAGE/site, data unpacked into STAGE/NAME); once
 #     every part is there, assembles the GGUF into STAGE/cache/models and checks its sha256.
