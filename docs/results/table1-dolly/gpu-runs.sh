@@ -45,8 +45,12 @@
 # of training (the shared passes stay launch-bound, the per-run work does not) and 6-7 min of
 # scoring, more than a call, and the 15-minute lease (a start and two staging calls first) has no
 # second full call. So 1; the log's per-round seconds ("round r/50 ... (s, K runs)") say whether a
-# later lease can take 2. DEVICE=cpu and EXTRA="--set rounds=1 ..." run the same plumbing here at
-# toy size (a check, not results); PY=python picks the Python (default python3, the image's).
+# later lease can take 2. PY picks the Python (default python3, the image's). The same plumbing
+# here at toy size (a check, not results; a few minutes; the wheels are for the image's Python
+# 3.12, so a 3.11 venv's own packages stand in for them):
+#   bash docs/results/table1-dolly/gpu-runs.sh stage /tmp/pfl-toy &&
+#   EXTRA="--set rounds=1 --set local_steps=1 --set data.max_train=8 --set data.max_test=2 --set eval.max_new_tokens=8 --set max_seq_len=256" \
+#     PY=.venv/bin/python DEVICE=cpu RUNS_PER_CALL=2 bash docs/results/table1-dolly/gpu-runs.sh run /tmp/pfl-toy /tmp/pfl-toy-out
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
@@ -57,7 +61,7 @@ usage="usage: gpu-runs.sh prepare | stage STAGE | run STAGE OUT"
 run() {
   local stage=${1:?$usage} out=${2:?$usage} deadline=${DEADLINE_S:-540} device=${DEVICE:-cuda}
   local t0=$SECONDS per_call=${RUNS_PER_CALL:-1} extra pfl=("${PY:-python3}" -m pflalign)
-  read -r -a extra <<<"${EXTRA:-}"
+  read -r -d '' -a extra <<<"${EXTRA:-}" || true  # words over any number of lines
   gpu_env "$stage" || return 2
   local data=${DATA:-$stage/dolly/databricks-dolly-15k.jsonl} runs=$stage/runs logs=$stage/logs keep=$stage/keep
   mkdir -p "$logs" "$out"
