@@ -8,13 +8,14 @@
 # was lent one GPU for 15 minutes while the CPU grid ran FedAvg's curves-full run (~2 h here).
 #
 # The default model's GGUF (98 MB) does not fit one device call (64 MiB with the tree), so it travels
-# in parts over consecutive calls on the same warm machine; each call first runs `stage`, which copies
-# what it carried (.gpu/, ignored by git: model parts, the model's sha256, wheels, the FLAN data) to
-# STAGE outside the tree, and once every part is there assembles and checks the GGUF:
+# in parts over consecutive calls on the same warm machine (../gpu-stage.sh, shared with
+# table1-dolly/gpu-runs.sh); each call first runs `stage`, which copies what it carried (.gpu/,
+# ignored by git: model parts, the model's sha256, wheels, the FLAN data) to STAGE outside the tree,
+# and once every part is there assembles and checks the GGUF:
 #
-#   here:   split -n 2 -d MODEL.gguf .gpu/model.part-   (and .gpu/model.sha256, .gpu/whl, .gpu/flan)
-#   call 1: bash docs/results/pflalign-analysis/gpu-runs.sh stage /tmp/pfl-gpu            (carry part 0 ...)
-#   call 2: bash docs/results/pflalign-analysis/gpu-runs.sh stage /tmp/pfl-gpu &&
+#   here:   bash docs/results/pflalign-analysis/gpu-runs.sh prepare   (.gpu/; prints each call's carry)
+#   call 1: bash docs/results/pflalign-analysis/gpu-runs.sh stage /tmp/pfl-gpu     (carry part 00, ...)
+#   call n: bash docs/results/pflalign-analysis/gpu-runs.sh stage /tmp/pfl-gpu &&
 #           DEADLINE_S=500 bash docs/results/pflalign-analysis/gpu-runs.sh run /tmp/pfl-gpu $OUT
 #
 # `run` starts the three jobs at once (each is launch-bound on a 135M model, one CPU core each), stops
@@ -33,42 +34,20 @@ set -u
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
 cd "$repo"
-mode=${1:?usage: gpu-runs.sh stage|run STAGE [OUT]}; stage=${2:?usage: gpu-runs.sh stage|run STAGE [OUT]}
-gguf_name=SmolLM2-135M-Instruct.Q4_1.gguf  # the embedded default's file name in the model cache
-
-stage() {
-  mkdir -p "$stage/parts" "$stage/cache/models"
-  [ -d .gpu ] || { echo "no .gpu folder carried"; return 0; }
-  for f in .gpu/model.part-* .gpu/model.sha256; do [ -f "$f" ] && cp "$f" "$stage/parts/"; done
-  [ -d .gpu/flan ] && [ ! -d "$stage/flan" ] && cp -r .gpu/flan "$stage/flan"
-  if [ -d .gpu/whl ] && [ ! -f "$stage/site.done" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$stage/site" .gpu/whl/*.whl \
-      && touch "$stage/site.done"
-  fi
-  local model="$stage/cache/models/$gguf_name"
-  if [ ! -f "$model" ] && [ -f "$stage/parts/model.sha256" ]; then
-    local want have; want=$(cut -d' ' -f1 "$stage/parts/model.sha256")
-    have=$(cat "$stage"/parts/model.part-* | sha256sum | cut -d' ' -f1)
-    if [ "$have" = "$want" ]; then
-      cat "$stage"/parts/model.part-* > "$model.part" && mv "$model.part" "$model" && echo "model assembled ($want)"
-    else
-      echo "model parts so far: $(ls "$stage/parts" | grep -c part-) (sha256 not yet the model's)"
-    fi
-  fi
-  ls "$stage/parts"; ls -la "$stage/cache/models"
-}
+. "$here/../gpu-stage.sh"  # gpu_prepare, gpu_stage, gpu_env, gpu_start, gpu_until
+[ "${1:-}" = prepare ] && { gpu_prepare "flan=${FLAN:-$repo/../shared/data/flan}"; exit; }
+mode=${1:?usage: gpu-runs.sh prepare | stage|run STAGE [OUT]}; stage=${2:?usage: gpu-runs.sh prepare | stage|run STAGE [OUT]}
 
 run() {
   local out=${3:?usage: gpu-runs.sh run STAGE OUT} deadline=${DEADLINE_S:-500} device=${DEVICE:-cuda}
   local extra; read -r -a extra <<<"${EXTRA:-}"
-  [ -f "$stage/cache/models/$gguf_name" ] || { echo "the model is not assembled in $stage"; return 2; }
-  export PFLALIGN_CACHE="$stage/cache" PYTHONPATH="$repo/src:$stage/site" PFLALIGN_ALLOCATOR=system PYTHONUNBUFFERED=1
+  gpu_env "$stage" || return 2
   local pfl=(python3 -m pflalign) runs="$stage/runs" data="${DATA:-$stage/flan}" logs="$stage/logs"
   [ -n "${PY:-}" ] && pfl=("$PY" -m pflalign)
   mkdir -p "$logs" "$out"
-  local t0=$SECONDS pids=() names=()
-  job() {  # job NAME COMMAND...: in a process group of its own, so that the deadline stops all of it
-    setsid bash -c "$2" > "$logs/$1.log" 2>&1 & pids+=($!); names+=("$1")
+  local t0=$SECONDS
+  job() {  # job NAME COMMAND: in a process group of its own, so that the deadline stops all of it
+    gpu_start "$logs/$1.log" bash -c "$2"
   }
   local common="--data-dir '$data' --set device=$device ${extra[*]} --no-progress"
   # one --out per job: a sweep folder is locked by the sweep that uses it
@@ -79,22 +58,7 @@ run() {
       ${pfl[*]} rescore '$r/seed$s' --out '$r@personalized=after_aggregation/seed$s' \
         --set method_args.personalized=after_aggregation --no-progress --overwrite"
   done
-  while [ $((SECONDS - t0)) -lt "$deadline" ]; do
-    local alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break
-    sleep 5
-  done
-  local stopped=()
-  for i in "${!pids[@]}"; do
-    if kill -0 "${pids[$i]}" 2>/dev/null; then
-      kill -INT -- "-${pids[$i]}" 2>/dev/null; stopped+=("${pids[$i]}")
-      echo "${names[$i]}: stopped at the deadline (${deadline} s)"
-    else
-      wait "${pids[$i]}"; echo "${names[$i]}: exit $? after $((SECONDS - t0)) s or less"
-    fi
-  done
-  # a run stopped by SIGINT ends its round and checkpoints; the checkpoint cannot travel back, so no waiting
-  sleep 3; for p in "${stopped[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done
+  gpu_until "$deadline" "$t0"  # then interrupted: each run stops at its last round checkpoint
   # collect.sh's layout: $RUNS (-> runs/) and $RUNS-remake (-> remake/runs/)
   local keep="$stage/keep"; rm -rf "$keep"
   for f in "$runs"/*/flan/*/seed*/results.json; do
@@ -109,7 +73,7 @@ run() {
 }
 
 case $mode in
-  stage) stage ;;
+  stage) gpu_stage "$stage" ;;
   run) run "$@" ;;
-  *) echo "usage: gpu-runs.sh stage|run STAGE [OUT]"; exit 2 ;;
+  *) echo "usage: gpu-runs.sh prepare | stage|run STAGE [OUT]"; exit 2 ;;
 esac
