@@ -288,6 +288,24 @@ def test_ctrl_c_in_round_3_saves_says_how_to_resume_exit_130(tmp_path, config_fi
     assert_same_run(out, uninterrupted)
 
 
+@pytest.mark.parametrize("in_round, saved, said", [
+    (2, 2, "during round 3 of 4"),  # in round 3 (0-based 2), round 2 saved
+    (1, 2, "during round 3 of 4"),  # round 2's checkpoint written, round 3 not begun: not "round 2"
+    (3, 4, "during the final evaluation"),  # the last round saved, the evaluation not begun
+    (None, 4, "during the final evaluation"),
+])
+def test_ctrl_c_message_names_the_round_after_the_saved_one(in_round, saved, said):
+    """An interrupt between a round's checkpoint and the next round's start (a race the Ctrl-C
+    test above can hit on a busy machine) names the next round, never the saved one."""
+    from types import SimpleNamespace
+
+    from pflalign.run.lifecycle import interrupted
+
+    rec = SimpleNamespace(saved=(saved,), rollback=lambda: None, out=Path("run"))
+    message = str(interrupted(rec, SimpleNamespace(rounds=4), in_round))
+    assert message.startswith(f"interrupted {said}; the last finished round ({saved}) is saved")
+
+
 def test_resume_after_a_corrupt_checkpoint_uses_the_previous_one(tmp_path, config_file, uninterrupted, caplog):
     out = tmp_path / "run"
     assert run(build_config(str(config_file)), out, stop_after=3, progress=False) is None

@@ -306,7 +306,9 @@ def interrupted(rec: Recorder, cfg: RunConfig, in_round: int | None) -> RunInter
     to continue."""
     rounds = rec.saved[0]
     rec.rollback()
-    where = (f"during round {in_round + 1} of {cfg.rounds}" if in_round is not None
+    if in_round is not None:  # its checkpoint already written: stopped before the next round began
+        in_round = max(in_round, rounds)
+    where = (f"during round {in_round + 1} of {cfg.rounds}" if in_round is not None and in_round < cfg.rounds
              else "during the final evaluation")
     if rounds == 0:
         return RunInterrupted(f"interrupted {where}, before any round finished; nothing to resume: "
