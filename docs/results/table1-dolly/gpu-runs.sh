@@ -37,9 +37,9 @@
 # kernel launches, 0.22 s at 4 x 1024 tokens against 0.18 s at 4 x 256 (gpu.json, smollm2-135m),
 # so a Dolly round costs about a FLAN round there, not 4x: 20 steps, about 4.5 s, plus the round's
 # work outside the passes (FLAN: 12.6 s a round with three runs sharing the H100, ~4.2 s each;
-# pflalign-analysis/gpu-runs.sh). 50 rounds: about 4 min for one run. Runs in lockstep are scored
-# in one decoding loop (run/batched_scoring.py), but the decoding work adds up: each run decodes its 662 test prompts twice (personalized, global;
-# answers up to 128 tokens, 8.4 s per 64 rows x 128 new tokens on the H100, gpu.json), about
+# pflalign-analysis/gpu-runs.sh). 50 rounds: about 4 min for one run. Runs in lockstep are
+# scored in one decoding loop (run/batched_scoring.py), but their decoding work adds up: each run
+# decodes its 662 test prompts twice (personalized, global; answers up to 128 tokens, 8.4 s per 64 rows x 128 new tokens on the H100, gpu.json), about
 # 2-3 min, and the first Table 1 run the base model once more, about 1.5 min. One run: about 8 of
 # the 9 minutes that a 600-s call leaves for runs (DEADLINE_S 540); two in lockstep: about 6 min
 # of training (the shared passes stay launch-bound, the per-run work does not) and 6-7 min of
