@@ -17,5 +17,6 @@ paired=()  # the rows that have a finished run (report refuses --paired of a row
 for m in pflalign fedavg "pflalign@lr=0.33" "fedavg@lr=0.16"; do
   ls "$here"/runs/dolly/"$m"/seed*/results.json >/dev/null 2>&1 && paired+=(--paired "$m")
 done
-[ "$n" -gt 0 ] && "$PFL" report "$here/runs" --out "$here" "${paired[@]}" --claims
+rel=${here#"$repo"/}  # the report names its folder relative to the repository, as FLAN's does
+[ "$n" -gt 0 ] && (cd "$repo" && "$PFL" report "$rel/runs" --out "$rel" "${paired[@]}" --claims)
 exit 0
