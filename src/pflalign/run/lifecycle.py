@@ -301,7 +301,8 @@ class LossWatch:
 
 
 def interrupted(rec: Recorder, cfg: RunConfig, in_round: int | None) -> RunInterrupted:
-    """Ctrl-C (`in_round`: the round being trained, None after the rounds): drop the unfinished
+    """Ctrl-C (`in_round`: the round being trained or about to be; None, or `cfg.rounds`, after
+    the rounds; a round already saved: the next is named): drop the unfinished
     round's metrics lines, so the directory is exactly as after the last checkpoint, and say how
     to continue."""
     rounds = rec.saved[0]

@@ -95,14 +95,6 @@ class _Run:
     def done(self) -> bool:
         return self.next_round >= self.fed.cfg.rounds
 
-    @property
-    def stops_in(self) -> int | None:
-        """The round an interrupt stops it in: the one being trained, the next between its rounds
-        (others being trained or scored), None (its final evaluation) once its rounds are done."""
-        if self.done:
-            return None
-        return self.next_round if self.fed.in_round is None else self.fed.in_round
-
 
 def run_together(runs: list[tuple[RunConfig, Path, bool]], progress: bool = True) -> list[dict | TrainingDiverged]:
     """Train the runs (config, run folder, resume) in lockstep on one shared model; each run's
@@ -138,7 +130,6 @@ def _train(runs: list[_Run], progress: bool) -> list[dict | TrainingDiverged]:
         while active:
             started, ended = [], []
             for i in active:
-                runs[i].fed.in_round = runs[i].next_round
                 started.append(runs[i].fed.start_round(runs[i].next_round))
             tic = time.perf_counter()
             trained = run_rounds_lockstep([(runs[i].fed.side, s.jobs, s.shared) for i, s in zip(active, started)],
@@ -157,7 +148,7 @@ def _train(runs: list[_Run], progress: bool) -> list[dict | TrainingDiverged]:
                     log.warning("%s: stopped: %s", r.rec.out, outcome[i])
                     active.remove(i)
                     continue
-                r.fed.in_round, r.next_round, r.seconds = None, r.next_round + 1, r.seconds + seconds
+                r.next_round, r.seconds = r.next_round + 1, r.seconds + seconds
                 bar.update(1)
                 if not progress:
                     log.info("%s: round %d/%d: mean loss %.4f (%.1f s, %d runs)", r.rec.out, r.next_round,
@@ -166,7 +157,9 @@ def _train(runs: list[_Run], progress: bool) -> list[dict | TrainingDiverged]:
                     ended.append(i)
             _finish(runs, ended, active, outcome)
     except KeyboardInterrupt:
-        said = [str(interrupted(runs[i].rec, runs[i].fed.cfg, runs[i].stops_in)) for i in active]
+        # each active run stops in its next round (the one being trained, or the next between its
+        # rounds); one whose rounds are all done, in its final evaluation (`interrupted`)
+        said = [str(interrupted(runs[i].rec, runs[i].fed.cfg, runs[i].next_round)) for i in active]
         raise RunInterrupted("; ".join(said) or "interrupted") from None
     except OutOfMemory as exc:
         for i in active:
