@@ -3,9 +3,36 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# The cache folders a test run may share with the user's cache: the default model's GGUF and its
+# dequantized copy (hundreds of MB, slow to make, keyed by file and dtype). Everything else a test
+# caches (tiny models' base generations, tokenized data, saved random bases) goes to a folder of
+# this session's, so that a test run leaves nothing among the entries of the user's runs.
+SHARED_CACHE_PARTS = ("models", "dequantized")
+
+
+def pytest_configure(config):
+    user_cache = Path(os.environ.get("PFLALIGN_CACHE", Path.home() / ".cache" / "pflalign"))
+    session_cache = Path(tempfile.mkdtemp(prefix="pflalign-test-cache-"))
+    for part in SHARED_CACHE_PARTS:
+        try:
+            (user_cache / part).mkdir(parents=True, exist_ok=True)
+            (session_cache / part).symlink_to(user_cache / part, target_is_directory=True)
+        except OSError:  # an unwritable user cache: the session's own folder serves
+            pass
+    config._pflalign_cache = session_cache
+    os.environ["PFLALIGN_CACHE"] = str(session_cache)
+
+
+def pytest_unconfigure(config):
+    session_cache = getattr(config, "_pflalign_cache", None)
+    if session_cache is not None:
+        shutil.rmtree(session_cache, ignore_errors=True)  # the links only, not what they point to
 
 
 @pytest.fixture(scope="session")
