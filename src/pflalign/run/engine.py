@@ -281,7 +281,8 @@ class Federation:
         if done_jobs is None:
             done_jobs = (score_jobs_together(self.side, jobs, shared, self.progress) if self.batch != "none"
                          else self.runner.map(jobs, shared, costs))
-        for job, done in zip(jobs, done_jobs):
+        for job, done in zip(jobs, done_jobs, strict=True):  # (done_jobs handed in: from jobs built alike)
+            assert done.k == job.k, f"client {done.k}'s scores handed in for client {job.k}'s job"
             bar.update(1)
             scores, outputs, seconds = scored[job.model]
             scores.append(done.score)
