@@ -17,7 +17,9 @@ SHARED_CACHE_PARTS = ("models", "dequantized")
 
 
 def pytest_configure(config):
-    user_cache = Path(os.environ.get("PFLALIGN_CACHE", Path.home() / ".cache" / "pflalign"))
+    from pflalign.model.base import cache_dir
+
+    user_cache = cache_dir()  # $PFLALIGN_CACHE or ~/.cache/pflalign, before it is pointed elsewhere
     session_cache = Path(tempfile.mkdtemp(prefix="pflalign-test-cache-"))
     for part in SHARED_CACHE_PARTS:
         try:
