@@ -248,3 +248,41 @@ def test_a_cap_on_the_adapters_of_a_loop_changes_no_prediction(tmp_path, far_sta
     assert loops == [12] + [1, 1, 1, 3] * 2 + [2, 4] * 2
     swapped = [(parts[0][0], parts[0][1], parts[1][2]), (parts[1][0], parts[1][1], parts[0][2])]
     assert [run_done[3:] for run_done in predictions(swapped)] != [run_done[3:] for run_done in expected]
+
+
+
+def test_each_rounds_scoring_of_runs_in_lockstep_is_one_loop_as_each_alone(tmp_path, far_start, monkeypatch):
+    """Two runs scored after every round (`eval.every` 1, their first 3 test prompts): each round's
+    personalized and global models of both runs go through one decoding loop, as the final scoring
+    does, and give each run's prompts the answers its run alone gives them (alone with --batch
+    clients, so that its scoring goes through the same loop, one run in it); each run writes the
+    round_eval lines, results and predictions of its run alone. The runs answer apart after every
+    round, so a loop that gave one run's prompts the other's models could not pass."""
+    from pflalign.run import batched_scoring
+    from pflalign.run.together import run_together
+    from test_batched_scoring import tiny_run, written
+
+    real = batched_scoring.generate_per_adapter
+    answers = []  # each loop's outputs, set by set
+
+    def spy(lm, sets, *a, **k):
+        answers.append(real(lm, sets, *a, **k))
+        return answers[-1]
+
+    monkeypatch.setattr(batched_scoring, "generate_per_adapter", spy)
+    cfgs = [tiny_run(tmp_path, method, rounds=2, lr=lr) for method, lr in (("fedavg", 0.5), ("fedsa-lora", 0.2))]
+    alone = []
+    for i, cfg in enumerate(cfgs):
+        answers.clear()
+        run(cfg, tmp_path / "alone" / str(i), progress=False, batch="clients")
+        alone.append(list(answers))
+    answers.clear()
+    run_together([(cfg, tmp_path / "together" / str(i), False) for i, cfg in enumerate(cfgs)], progress=False)
+    # rounds 1 and 2, the end; a loop's sets: run 0's 3 clients × (personalized, global), then run 1's
+    assert [len(loop) for loop in answers] == [12, 12, 12]
+    assert [len(loop) for loop in alone[0]] == [6, 6, 6]
+    for r in range(2):
+        assert alone[0][r] != alone[1][r], r  # the runs answer apart
+    assert answers == [a + b for a, b in zip(*alone)]
+    for i in range(2):
+        assert written(tmp_path / "together" / str(i)) == written(tmp_path / "alone" / str(i)), i

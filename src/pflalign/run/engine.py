@@ -150,12 +150,14 @@ class Federation:
         self.store.attach(rec.out)
         return LossWatch(rec, [c.name for c in self.clients])
 
-    def keep_round(self, rec: Recorder, watch: LossWatch, r: int, record: RoundRecord, seconds: float) -> None:
-        """Round r written: its lines, its scores when ``eval.every`` says so, its checkpoint."""
+    def keep_round(self, rec: Recorder, watch: LossWatch, r: int, record: RoundRecord, seconds: float,
+                   evaluated: list[dict] | None = None) -> None:
+        """Round r written: its lines, its scores when ``eval.every`` says so (`evaluated`: already
+        scored, with other runs': run/together.py), its checkpoint."""
         rec.round(r, record, seconds)  # the clients' lines, then the round's
         watch.round(r, record)  # warns once if the loss runs away
-        if self.cfg.eval.every and (r + 1) % self.cfg.eval.every == 0:
-            rec.round_eval(r, self.round_eval(r))
+        if self.round_eval_due(r):
+            rec.round_eval(r, self.round_eval(r) if evaluated is None else evaluated)
         rec.save(r + 1, self.checkpoint())
         self.store.prune()  # after the checkpoint: the client files it no longer names
 
@@ -296,13 +298,23 @@ class Federation:
         it), from its file; the global one before its first round."""
         return personalized_adapter(self.side, k, self.store.records[k], self.global_params)
 
-    def round_eval(self, round_index: int) -> list[dict]:
+    def round_eval_due(self, round_index: int) -> bool:
+        """Whether ``eval.every`` scores the clients after this round."""
+        return bool(self.cfg.eval.every) and (round_index + 1) % self.cfg.eval.every == 0
+
+    def round_eval_jobs(self, round_index: int) -> list:
+        """The `score_jobs` of a round's scoring: personalized and global, the first
+        `eval.every_max_test` test examples of each scored client."""
+        return self.score_jobs(["personalized", "global"], f"round {round_index + 1} ", self.cfg.eval.every_max_test)[0]
+
+    def round_eval(self, round_index: int, done_jobs: list | None = None) -> list[dict]:
         """Score the clients on their first `eval.every_max_test` test examples
         after a round (for ROUGE-L curves): a row per client (`Recorder.round_eval`).
-        Runs under a forked RNG so that switching it on never changes the training."""
+        Runs under a forked RNG so that switching it on never changes the training.
+        `done_jobs`: the `ScoreDone` of each of `round_eval_jobs`, scored with other runs'."""
         limit = self.cfg.eval.every_max_test
         with torch.random.fork_rng(devices=[]):
-            scored = self._score(["personalized", "global"], f"round {round_index + 1} ", limit)
+            scored = self._score(["personalized", "global"], f"round {round_index + 1} ", limit, done_jobs)
         return [{"client": self.clients[k].id, "task": self.clients[k].name,
                  "n_test": len(self.clients[k].data.test[:limit]), "rouge_l_personalized": p, "rouge_l_global": g}
                 for k, p, g in zip(self.eval_ids, scored["personalized"][0], scored["global"][0])]

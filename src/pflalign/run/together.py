@@ -16,6 +16,9 @@ them (each run's global adapter, its scored clients' personalized ones) in one d
 (`batched_scoring.score_runs_together`; runs of other eval settings, `eval_key`, in a loop of
 their own; a loop holds at most `batched_scoring.LOOP_BYTES` of adapters, beyond it several
 loops), then each run writes its own adapters and results.json, as alone; the others train on.
+A round's scoring (``eval.every``) goes the same way: the runs whose round calls for it are scored
+in one loop (their first ``eval.every_max_test`` prompts), then each writes its round_eval lines
+and its checkpoint.
 
 A run whose training reaches a non-finite value stops alone, as in a sweep one after another:
 its round's lines are dropped, its last checkpoint kept, and the others go on
@@ -32,6 +35,7 @@ import logging
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from . import run_dir
@@ -135,18 +139,22 @@ def _train(runs: list[_Run], progress: bool) -> list[dict | TrainingDiverged]:
             trained = run_rounds_lockstep([(runs[i].fed.side, s.jobs, s.shared) for i, s in zip(active, started)],
                                           isolate=True)
             seconds = time.perf_counter() - tic
+            records = {}  # the runs whose round went through: its record
             for i, s, done in zip(list(active), started, trained):
-                r = runs[i]
                 try:
                     if isinstance(done, TrainingDiverged):
                         s.bar.close()
                         raise done
-                    record = r.fed.finish_round(s, done)
-                    r.fed.keep_round(r.rec, r.watch, r.next_round, record, seconds)
+                    records[i] = runs[i].fed.finish_round(s, done)
                 except TrainingDiverged as exc:
-                    outcome[i] = diverged(r.rec, exc)
-                    log.warning("%s: stopped: %s", r.rec.out, outcome[i])
-                    active.remove(i)
+                    _stop(runs, i, exc, active, outcome)
+            evaluated = _round_evals(runs, list(records))
+            for i, record in records.items():
+                r = runs[i]
+                try:
+                    r.fed.keep_round(r.rec, r.watch, r.next_round, record, seconds, evaluated.get(i))
+                except TrainingDiverged as exc:
+                    _stop(runs, i, exc, active, outcome)
                     continue
                 r.next_round, r.seconds = r.next_round + 1, r.seconds + seconds
                 bar.update(1)
@@ -169,6 +177,33 @@ def _train(runs: list[_Run], progress: bool) -> list[dict | TrainingDiverged]:
     finally:
         bar.close()
     return outcome
+
+
+def _stop(runs: list[_Run], i: int, exc: TrainingDiverged, active: list[int], outcome: list) -> None:
+    """Run i reached a non-finite value: it stops alone (its folder as after its last checkpoint,
+    `lifecycle.diverged`); the others go on."""
+    outcome[i] = diverged(runs[i].rec, exc)
+    log.warning("%s: stopped: %s", runs[i].rec.out, outcome[i])
+    active.remove(i)
+
+
+def _round_evals(runs: list[_Run], trained: list[int]) -> dict[int, list[dict]]:
+    """The per-round scoring (``eval.every``) of the runs `trained` whose round calls for it, all
+    their personalized and global models in one decoding loop per group of equal eval settings, as
+    `_finish` does for the final scoring: {run: its round_eval rows}."""
+    groups: dict[tuple, list[int]] = {}
+    for i in trained:
+        if runs[i].fed.round_eval_due(runs[i].next_round):
+            groups.setdefault(eval_key(runs[i].fed.cfg), []).append(i)
+    rows = {}
+    for members in groups.values():
+        feds, rounds = [runs[i].fed for i in members], [runs[i].next_round for i in members]
+        with torch.random.fork_rng(devices=[]):  # as `Federation.round_eval`: the training's RNG untouched
+            scored = score_runs_together([(fed.side, fed.round_eval_jobs(r), {"global": fed.global_params})
+                                          for fed, r in zip(feds, rounds)], feds[0].progress)
+        for i, fed, r, done_jobs in zip(members, feds, rounds, scored):
+            rows[i] = fed.round_eval(r, done_jobs)
+    return rows
 
 
 def _finish(runs: list[_Run], ended: list[int], active: list[int], outcome: list) -> None:
