@@ -91,3 +91,51 @@ def test_a_gpu_call_starts_the_resumable_runs_then_the_grids_order_in_one_sweep_
         assert args[args.index("--out") + 1] == str(stage / "runs" / f"{config}-seed{seed}")  # where a later call resumes
         assert {"--batch", "runs", "device=cuda"} <= set(args)
     assert (tmp_path / "out" / "logs.tar.gz").exists() and not (tmp_path / "out" / "runs.tar.gz").exists()
+
+
+PAPER_CSV = """model,method,dolly_c1,dolly_c2,dolly_avg,dolly_ci95,flan_c1,flan_avg
+M,FedAvg,10,20,15,1,0,0
+M,pFLAlign,30,10,20,2,0,0
+M,FedSAM,20,30,25,3,0,0
+"""
+OURS_CSV = """method,family,x,y,avg,avg_ci95,n_seeds
+fedavg,F,5,6,5.5,,1
+pflalign,F,4,5,6.5,0.5,3
+fedsam,F,3,7,5,,1
+local,F,1,1,1,,1
+"""
+
+
+def _beside(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RESULTS / "beside-paper.py"), *args], capture_output=True, text=True)
+
+
+def test_beside_paper_sets_the_papers_table_beside_ours_with_ranks_from_both(tmp_path):
+    """beside-paper.py (collect.sh writes beside-paper.md with it): cells "paper / ours", pFLAlign's
+    rank in each column and Spearman's ρ over the methods both have, checked by hand: on c1 the paper
+    orders FedAvg, pFLAlign, FedSAM 3rd, 1st, 2nd and we 1st, 2nd, 3rd (Σd² = 6, ρ = 1 − 36/24);
+    on c2 both 2nd, 3rd, 1st (ρ = 1)."""
+    (tmp_path / "paper.csv").write_text(PAPER_CSV)
+    (tmp_path / "ours.csv").write_text(OURS_CSV)
+    done = _beside(str(tmp_path / "paper.csv"), str(tmp_path / "ours.csv"), "dolly")
+    assert done.returncode == 0, done.stderr
+    rows = {line.split(" | ")[0].strip("| "): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert rows["pFLAlign"] == "| pFLAlign | 30.00 / 4.00 | 10.00 / 5.00 | 20.00 ± 2.00 / 6.50 ± 0.50 |"
+    assert rows["FedAvg"].endswith("| 15.00 ± 1.00 / 5.50 (1 seed) |")
+    assert rows["Local"] == "| Local | – / 1.00 | – / 1.00 | – / 1.00 (1 seed) |"  # ours only
+    assert rows["pFLAlign's rank, paper"] == "| pFLAlign's rank, paper | 1 of 3 | 3 of 3 | 2 of 3 |"
+    assert rows["pFLAlign's rank, ours"] == "| pFLAlign's rank, ours | 2 of 3 | 3 of 3 | 1 of 3 |"
+    assert rows["Spearman ρ, paper vs ours"] == "| Spearman ρ, paper vs ours | -0.50 | +1.00 | -0.50 |"
+    assert "(the paper's c1–c4 are x, y)" in done.stdout
+
+
+def test_beside_paper_ranks_share_ties_and_refuse_bad_input_in_one_line(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("beside_paper", RESULTS / "beside-paper.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.ranks({"a": 1.0, "b": 1.0, "c": 0.0}) == {"a": 1.5, "b": 1.5, "c": 3.0}
+    assert module.spearman({"a": 1.0, "b": 2.0}, {"a": 1.0, "b": 2.0}) is None  # under 3 methods
+    done = _beside(str(tmp_path / "none.csv"), str(tmp_path / "ours.csv"), "dolly")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "none.csv" in done.stderr

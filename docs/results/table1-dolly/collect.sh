@@ -19,4 +19,12 @@ for m in pflalign fedavg "pflalign@lr=0.33" "fedavg@lr=0.16"; do
 done
 rel=${here#"$repo"/}  # the report names its folder relative to the repository, as FLAN's does
 [ "$n" -gt 0 ] && (cd "$repo" && "$PFL" report "$rel/runs" --out "$rel" "${paired[@]}" --claims)
+# the paper's table beside ours (the paper's table1.csv lives beside the project, not in it)
+PAPER=${PAPER:-$repo/../shared/paper/table1.csv}
+if [ "$n" -gt 0 ] && [ -f "$PAPER" ]; then
+  python3 "$repo/docs/results/beside-paper.py" "$PAPER" "$here/dolly/table.csv" dolly > "$here/beside-paper.md.tmp" \
+    && mv "$here/beside-paper.md.tmp" "$here/beside-paper.md"
+elif [ "$n" -gt 0 ]; then
+  echo "no $PAPER: beside-paper.md left as it is"
+fi
 exit 0
