@@ -187,37 +187,33 @@ def _stop(runs: list[_Run], i: int, exc: TrainingDiverged, active: list[int], ou
     active.remove(i)
 
 
+def _scored_together(runs: list[_Run], members: list[int], jobs_of):
+    """The `ScoreDone`s of each of `members`' jobs (`jobs_of(i)`), all their models in one decoding
+    loop per group of runs of equal eval settings (`batched_scoring.eval_key`): (run, its done
+    jobs), group after group, each group scored when reached."""
+    groups: dict[tuple, list[int]] = {}
+    for i in members:
+        groups.setdefault(eval_key(runs[i].fed.cfg), []).append(i)
+    for group in groups.values():
+        feds = [runs[i].fed for i in group]
+        yield from zip(group, score_runs_together([(fed.side, jobs_of(i), {"global": fed.global_params})
+                                                   for i, fed in zip(group, feds)], feds[0].progress))
+
+
 def _round_evals(runs: list[_Run], trained: list[int]) -> dict[int, list[dict]]:
     """The per-round scoring (``eval.every``) of the runs `trained` whose round calls for it, all
-    their personalized and global models in one decoding loop per group of equal eval settings, as
-    `_finish` does for the final scoring: {run: its round_eval rows}."""
-    groups: dict[tuple, list[int]] = {}
-    for i in trained:
-        if runs[i].fed.round_eval_due(runs[i].next_round):
-            groups.setdefault(eval_key(runs[i].fed.cfg), []).append(i)
-    rows = {}
-    for members in groups.values():
-        feds, rounds = [runs[i].fed for i in members], [runs[i].next_round for i in members]
-        with torch.random.fork_rng(devices=[]):  # as `Federation.round_eval`: the training's RNG untouched
-            scored = score_runs_together([(fed.side, fed.round_eval_jobs(r), {"global": fed.global_params})
-                                          for fed, r in zip(feds, rounds)], feds[0].progress)
-        for i, fed, r, done_jobs in zip(members, feds, rounds, scored):
-            rows[i] = fed.round_eval(r, done_jobs)
-    return rows
+    their personalized and global models scored together (`_scored_together`), as `_finish` does
+    for the final scoring: {run: its round_eval rows}."""
+    due = [i for i in trained if runs[i].fed.round_eval_due(runs[i].next_round)]
+    with torch.random.fork_rng(devices=[]):  # as `Federation.round_eval`: the training's RNG untouched
+        scored = dict(_scored_together(runs, due, lambda i: runs[i].fed.round_eval_jobs(runs[i].next_round)))
+    return {i: runs[i].fed.round_eval(runs[i].next_round, done_jobs) for i, done_jobs in scored.items()}
 
 
 def _finish(runs: list[_Run], ended: list[int], active: list[int], outcome: list) -> None:
-    """The runs `ended` (their rounds done in the same step of the lockstep) scored together: all
-    their personalized and global models in one decoding loop per group of runs of equal eval
-    settings (`batched_scoring.eval_key`); then each run's adapters and results.json written
-    (`finish_run`), and the run no longer active."""
-    groups: dict[tuple, list[int]] = {}
-    for i in ended:
-        groups.setdefault(eval_key(runs[i].fed.cfg), []).append(i)
-    for members in groups.values():
-        feds = [runs[i].fed for i in members]
-        scored = score_runs_together([(fed.side, fed.score_jobs(fed.final_models)[0], {"global": fed.global_params})
-                                      for fed in feds], feds[0].progress)
-        for i, done_jobs in zip(members, scored):
-            outcome[i] = finish_run(runs[i].rec, runs[i].fed, runs[i].seconds, done_jobs)
-            active.remove(i)
+    """The runs `ended` (their rounds done in the same step of the lockstep) scored together
+    (`_scored_together`); then each run's adapters and results.json written (`finish_run`), and
+    the run no longer active."""
+    for i, done_jobs in _scored_together(runs, ended, lambda i: runs[i].fed.score_jobs(runs[i].fed.final_models)[0]):
+        outcome[i] = finish_run(runs[i].rec, runs[i].fed, runs[i].seconds, done_jobs)
+        active.remove(i)
