@@ -93,6 +93,65 @@ def test_a_gpu_call_starts_the_resumable_runs_then_the_grids_order_in_one_sweep_
     assert (tmp_path / "out" / "logs.tar.gz").exists() and not (tmp_path / "out" / "runs.tar.gz").exists()
 
 
+# the real sweep's plan of a run, from the folders: finished here or in a --done folder, unfinished
+# (a folder without results.json) here, else new; a run it is asked for is written down and finished
+LANE_STAND_IN = f"""#!{sys.executable}
+import json, os, pathlib, sys, time
+args = sys.argv[2:]
+value = lambda name: args[args.index(name) + 1]
+rows = {{"table1": ["pflalign", "fedavg", "fedsa-lora", "fedsam"],
+        "step-size": ["pflalign@lr=0.33", "fedavg@lr=0.16"]}}[pathlib.Path(value("--config")).stem]
+out, dones = pathlib.Path(value("--out")), [pathlib.Path(args[i + 1]) for i, a in enumerate(args) if a == "--done"]
+for row in rows:
+    key = f"dolly/{{row}}/seed{{value('--seeds')}}"
+    if any((d / key / "results.json").exists() for d in [out] + dones):
+        state = "finished"
+    else:
+        state = "unfinished" if (out / key).is_dir() else "new"
+    if "--dry-run" in args:
+        print(key, state, out / key)
+    elif row.split("@")[0] == value("--methods") and state != "finished":
+        with open(pathlib.Path(__file__).with_name("runs.jsonl"), "a") as f:
+            f.write(json.dumps([key, str(out), os.environ.get("OMP_NUM_THREADS"), args]) + "\\n")
+        (out / key).mkdir(parents=True, exist_ok=True)
+        time.sleep(0.05)
+        (out / key / "results.json").write_text("{{}}")
+"""
+
+
+def test_grid_lanes_take_every_run_left_once_each_lane_its_own_unfinished_one(tmp_path):
+    """run-grid.sh with LANES=2: two lanes side by side take the runs not finished (committed or
+    by another lane), in the grid's order, each exactly once, one run a sweep in one thread
+    (--workers 1, OMP_NUM_THREADS=1); an unfinished run is resumed by the lane whose folder holds it."""
+    pfl = tmp_path / "pflalign"
+    pfl.write_text(LANE_STAND_IN)
+    pfl.chmod(0o755)
+    conf, runs = tmp_path / "conf", tmp_path / "runs"
+    (conf / "runs" / "dolly" / "pflalign" / "seed0").mkdir(parents=True)  # committed
+    (conf / "runs" / "dolly" / "pflalign" / "seed0" / "results.json").write_text("{}")
+    for f in ["table1.toml", "step-size.toml"]:
+        (conf / f).write_text("")
+    (runs / "lane1" / "dolly" / "fedsam" / "seed0").mkdir(parents=True)  # lane 1 stopped in it
+    env = dict(os.environ, LANES="2", SEEDS="0 1", PFL=str(pfl), CONF=str(conf), RUNS=str(runs), DATA=str(tmp_path))
+    done = subprocess.run(["bash", str(RESULTS / "table1-dolly" / "run-grid.sh")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0 and "grid done" in done.stdout, done.stdout + done.stderr
+    started = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    keys = [key for key, *_ in started]
+    wanted = ([f"dolly/{m}/seed0" for m in ["fedavg", "fedsa-lora", "fedsam", "pflalign@lr=0.33", "fedavg@lr=0.16"]]
+              + [f"dolly/{m}/seed1" for m in ["pflalign", "fedavg", "fedsa-lora", "fedsam", "pflalign@lr=0.33",
+                                             "fedavg@lr=0.16"]])
+    assert sorted(keys) == sorted(wanted)  # each once, the committed one never
+    assert dict((key, out) for key, out, *_ in started)["dolly/fedsam/seed0"] == str(runs / "lane1")
+    assert {out for _, out, *_ in started} == {str(runs), str(runs / "lane1")}  # both lanes worked
+    for key, out, threads, args in started:
+        assert threads == "1" and args[args.index("--workers") + 1] == "1"
+        assert args.count("--done") == 2 and str(conf / "runs") in args  # the committed runs and the other lane's
+    for lane in [runs, runs / "lane1"]:  # each lane in the grid's order
+        mine = [key for key, out, *_ in started if out == str(lane)]
+        assert mine == [key for key in wanted if key in mine]
+
+
 PAPER_CSV = """model,method,dolly_c1,dolly_c2,dolly_avg,dolly_ci95,flan_c1,flan_avg
 M,FedAvg,10,20,15,1,0,0
 M,pFLAlign,30,10,20,2,0,0

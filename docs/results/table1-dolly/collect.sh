@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Every finished run of the Dolly grid ($RUNS, default ~/dolly-runs) not yet committed: its small
-# files into runs/ (docs/results/keep-run.sh), then the report regenerated and the count said.
+# Every finished run of the Dolly grid ($RUNS, default ~/dolly-runs, and its lanes' $RUNS/lane*, run-grid.sh)
+# not yet committed: its small files into runs/ (docs/results/keep-run.sh), then the report regenerated and the count said.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../../.." && pwd)
 RUNS=${RUNS:-$HOME/dolly-runs}
 PFL=${PFL:-$repo/.venv/bin/pflalign}
-for r in "$RUNS"/dolly/*/seed*/results.json; do
+for r in "$RUNS"/dolly/*/seed*/results.json "$RUNS"/lane*/dolly/*/seed*/results.json; do
   [ -f "$r" ] || continue
   d=$(dirname "$r"); t="$here/runs/dolly/$(basename "$(dirname "$d")")/$(basename "$d")"
   [ -e "$t/results.json" ] || bash "$repo/docs/results/keep-run.sh" "$d" "$t"
