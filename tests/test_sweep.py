@@ -14,7 +14,7 @@ from pflalign.cli import main
 from pflalign.run.engine import run
 from pflalign.errors import UserError
 from pflalign.settings import to_dict
-from pflalign.sweep import plan_sweep, run_sweep
+from pflalign.sweep import dry_run, plan_sweep, run_sweep
 
 SWEEP = """
 methods = ["fedavg", "pflalign"]
@@ -64,6 +64,8 @@ def test_sweep_skips_finished_and_resumes_unfinished(sweep_file, tmp_path, capsy
     assert run(unfinished.cfg, unfinished.out, stop_after=1, progress=False) is None
     reference = run(unfinished.cfg, tmp_path / "reference", progress=False)  # the same run, uninterrupted
     assert [r.state() for r in runs] == ["finished", "unfinished", "new", "new"]
+    lines, _ = dry_run(runs)  # how far the unfinished run is: its checkpoint's manifest
+    assert lines[1].endswith("(resumed from its checkpoint after round 1 of 2)") and lines[2].endswith("(runs)")
 
     results = run_sweep(runs, progress=False)
     lines = capsys.readouterr().out

@@ -145,7 +145,10 @@ class PlannedRun:
 def dry_run(runs: list[PlannedRun]) -> tuple[list[str], UserError | None]:
     """`sweep --dry-run`: one line per run saying what the sweep will do with it (run it, resume
     it, skip it as finished), read as the sweep reads it: a run whose results.json cannot be
-    used is listed as ``damaged``, and the error says that the sweep stops there (None: it won't)."""
+    used is listed as ``damaged``, and the error says that the sweep stops there (None: it won't);
+    an unfinished run's line says the round its checkpoint is after."""
+    from . import checkpoint as ckpt
+
     lines, stop = [], None
     for r in runs:
         state, where = r.state(), r.done or r.out
@@ -154,8 +157,12 @@ def dry_run(runs: list[PlannedRun]) -> tuple[list[str], UserError | None]:
                 note = f"skipped, avg ROUGE-L {r.results()['avg_rouge_l_personalized']:.2f}"
             except UserError as exc:
                 state, note, stop = "damaged", "the sweep stops here", stop or (r, exc)
+        elif state == "unfinished":
+            note = "resumed from its checkpoint"
+            done = ckpt.rounds_checkpointed(r.out)
+            note += "" if done is None else f" after round {done} of {r.cfg.rounds}"
         else:
-            note = {"unfinished": "resumed from its checkpoint", "new": "runs"}[state]
+            note = "runs"
         lines.append(f"{r.key:<40} {state:<10} {where}  ({note})")
     if stop is not None:
         r, exc = stop

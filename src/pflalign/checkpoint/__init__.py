@@ -22,5 +22,5 @@ from .metrics_log import MetricsLog, metrics_rows  # noqa: F401
 from .names import CHECKPOINT, CONFIG, MANIFEST, METRICS, PREDICTIONS, PREVIOUS, RESULTS  # noqa: F401
 from .packing import PACKED, load_checkpoint, pack_tensors, save_checkpoint, unpack_tensors  # noqa: F401
 from .run_checkpoint import (has_run_checkpoint, load_run_checkpoint, remove_run_checkpoints,  # noqa: F401
-                             save_run_checkpoint, sigint_deferred)
+                             rounds_checkpointed, save_run_checkpoint, sigint_deferred)
 from .stored import open_stored, read_stored_text, stored  # noqa: F401

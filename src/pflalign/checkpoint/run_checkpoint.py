@@ -183,6 +183,14 @@ def has_run_checkpoint(out: Path) -> bool:
     return (out / CHECKPOINT).exists() or (out / PREVIOUS).exists()
 
 
+def rounds_checkpointed(out: Path) -> int | None:
+    """The rounds done in the run's newest checkpoint as its manifest says (for a progress line:
+    nothing is read or verified but the manifest); None without a readable manifest."""
+    entries = _read_manifest(out) or []
+    done = [e["rounds_done"] for e in entries if isinstance(e["rounds_done"], int) and (out / e.get("file", "")).is_file()]
+    return max(done, default=None)
+
+
 def remove_run_checkpoints(out: Path) -> None:
     for name in (CHECKPOINT, PREVIOUS, MANIFEST):
         (out / name).unlink(missing_ok=True)
