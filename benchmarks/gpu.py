@@ -798,23 +798,34 @@ def main(argv=None) -> int:
                          "multiprocessors": props.multi_processor_count, "capability": f"{props.major}.{props.minor}"}
     sections = args.sections.split(",")
     start = time.time()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every section, so a call cut off at its limit keeps what was measured
+        report["total_seconds"] = round(time.time() - start, 1)
+        out.with_suffix(".part").write_text(json.dumps(report, indent=1) + "\n")
+        out.with_suffix(".part").replace(out)
+
     if "matmul_peak" in sections:
         section(report, "matmul_peak", matmul_peak, device, 256 if tiny else 8192)
+        save()
     if "correctness" in sections:
         section(report, "correctness", correctness, device, methods)
+        save()
     if "speed" in sections:
         section(report, "speed", speed, device, tiny, report.get("matmul_peak"))
+        save()
     if "hf_anchor" in sections:
         section(report, "hf_anchor", hf_anchor, device, tiny, report.get("speed", {}))
+        save()
     if "batched" in sections:
         section(report, "batched", batched, device, tiny, report.get("matmul_peak"))
+        save()
     if "bill" in sections:
         section(report, "bill", bill, report.get("speed", {}))
         if "batched" in report:
             section(report, "bill_batched", bill_batched, report["batched"], report.get("speed", {}))
-    report["total_seconds"] = round(time.time() - start, 1)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    save()
     log(f"wrote {args.out} in {report['total_seconds']} s")
     return 0
 
