@@ -130,3 +130,19 @@ def test_bf16_adapter_products_keep_float32_gradients_and_state_close_to_float32
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < LOSS_RTOL
     for n, w in reference["global"].items():
         assert float((saved["global"][n] - w).norm() / w.norm()) < ADAPTER_RTOL, n
+
+
+def test_the_head_loss_takes_float32_hidden_states_beside_a_bf16_head():
+    """Under CUDA's autocast a LayerNorm returns float32 (the CPU's returns bf16), so OPT's last
+    hidden states reach its bf16 head as float32 (OPT-1.3B failed so on an H200, 2026-11-28): the
+    loss casts them to the head's dtype, as autocast would, and their gradient comes back float32."""
+    lm = FederatedLM.build("tiny-opt", LoraSettings(r=4, alpha=8), seed=0, dtype=torch.bfloat16)
+    hidden = torch.randn(5, lm.model.get_base_model().config.hidden_size)
+    targets = torch.tensor([1, 2, 3, 4, 5])
+    wide = hidden.clone().requires_grad_(True)
+    narrow = hidden.to(torch.bfloat16).requires_grad_(True)
+    loss = lm._head_loss_sum(wide, targets)
+    loss.backward()
+    lm._head_loss_sum(narrow, targets).backward()
+    assert torch.equal(loss, lm._head_loss_sum(narrow.detach(), targets))  # the same bf16 product
+    assert wide.grad.dtype == torch.float32 and torch.equal(wide.grad, narrow.grad.float())

@@ -259,8 +259,12 @@ class FederatedLM:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     def _head_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Σ cross-entropy of the LM head's logits of `inputs` against `targets`."""
+        """Σ cross-entropy of the LM head's logits of `inputs` against `targets`. The inputs take the
+        head's dtype first: under CUDA's autocast a LayerNorm's output is float32 beside a bf16 head
+        (OPT's final norm; the CPU's autocast keeps it bf16), and the head's product then runs in
+        bf16, as it would under autocast."""
         head = self.model.get_base_model().get_output_embeddings()
+        inputs = inputs.to(head.weight.dtype)
         if type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad:
             # frozen head: logits never kept for backward (model/head_loss.py)
             return head_cross_entropy_sum(inputs, head.weight, targets)
