@@ -190,7 +190,8 @@ def tiny_config(method: str, device: str, dtype: str) -> dict:
 
 
 def tiny_run(method: str, device: str, dtype: str, root: Path) -> tuple[dict, dict]:
-    """(figures, the final global adapter) of one pinned configuration's 2-round run."""
+    """(figures, the final global adapter) of one pinned configuration's 2-round run, by the engine's
+    default (`--batch auto`: on CUDA the clients in lockstep, against the CPU's one at a time)."""
     from pflalign import checkpoint as ckpt
     from pflalign.run.client_store import client_records, tensors_in
     from pflalign.config import build_config
@@ -205,7 +206,7 @@ def tiny_run(method: str, device: str, dtype: str, root: Path) -> tuple[dict, di
     state_dtypes = sorted({str(t.dtype) for t in tensors_in(saved["server_state"])}
                           | {str(t.dtype) for t in tensors_in(saved["global"])})
     figures = {"losses": losses, "avg_rouge_l_personalized": results["avg_rouge_l_personalized"],
-               "avg_rouge_l_global": results["avg_rouge_l_global"],
+               "avg_rouge_l_global": results["avg_rouge_l_global"], "batch": results.get("batch", "none"),
                "adapter_and_server_state_dtypes": state_dtypes,
                "client_state_dtypes": sorted({str(t.dtype) for t in tensors_in(client_records(out, saved))})}
     return figures, glob
@@ -288,6 +289,7 @@ def correctness(device: str, methods: list[str]) -> dict:
                 try:
                     fig, glob = tiny_run(method, device, dtype, Path(tmp))
                     row = compare(fig, glob, ref[method], ref_glob, method)
+                    row["batch"] = fig["batch"]  # how the clients trained (the reference: one at a time)
                     row["pass"] = bool(row["finite"] and row["steps"] == row["steps_in_reference"]
                                        and row["max_rel_diff_loss"] <= rtol
                                        and row["max_rel_diff_global_adapter"] <= rtol

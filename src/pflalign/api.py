@@ -40,11 +40,12 @@ def config(preset: str | None = None, overrides: dict | None = None):
 
 
 def run(cfg, out: str | Path, resume: bool = False, overwrite: bool = False, progress: bool = True,
-        workers: int = 1, allow_recipe_change: bool = False, batch: str = "none") -> dict:
+        workers: int = 1, allow_recipe_change: bool = False, batch: str = "auto") -> dict:
     """Run `cfg` into the folder `out` (as ``pflalign run``; `resume` continues an unfinished run
     there with its saved config) and return its results (results.json's dict). `workers` > 1: a
     round's clients train in that many one-thread processes (``--workers``); `batch` "clients":
-    a round's clients train in lockstep, one pass for all (``--batch clients``). `progress`: progress
+    a round's clients train in lockstep, one pass for all (``--batch clients``); "auto" (the
+    default): "clients" on CUDA, "none" (one at a time) elsewhere. `progress`: progress
     bars on stderr, as ``pflalign run`` shows them (minutes of silence look like a hang); False
     silences them, transformers' own bars too for the call (``--no-progress``).
     `allow_recipe_change`: resume though the saved config's training settings are not those its

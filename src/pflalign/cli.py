@@ -157,13 +157,14 @@ def cmd_fetch_model(args) -> int:
 WORKERS_HELP = ("train a round's clients, and score them, in N processes of one thread each (CPU; default 1: "
                 "this process with all its threads); N = the cores is fastest, and the results equal a "
                 "one-thread run's bit for bit")
-BATCH_CHOICES = ("none", "clients")
+BATCH_CHOICES = ("auto", "none", "clients")
 BATCH_HELP = ("clients: train a round's clients in lockstep, local step t of all of them in one forward and "
               "backward through the base, each with its own adapter, and score every client's personalized and "
               "global models in one decoding loop (results equal the one-at-a-time run's to float rounding; not "
-              "with --workers > 1 or gradient accumulation); default none: one at a time")
-SWEEP_BATCH_HELP = BATCH_HELP.replace("; default none", "; runs: the runs that share a base model together, "
-                                      "every client of every run in lockstep; default none")
+              "with --workers > 1 or gradient accumulation); none: one at a time; default auto: clients on CUDA "
+              "(measured faster there), none elsewhere")
+SWEEP_BATCH_HELP = BATCH_HELP.replace("; default auto", "; runs: the runs that share a base model together, "
+                                      "every client of every run in lockstep; default auto")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop-after-rounds", type=int, metavar="N", help="stop (checkpointed) after N more rounds")
     run.add_argument("--no-progress", action="store_true", help="no progress bars (log lines instead)")
     run.add_argument("--workers", type=int, default=1, metavar="N", help=WORKERS_HELP)
-    run.add_argument("--batch", choices=BATCH_CHOICES, default="none", help=BATCH_HELP)
+    run.add_argument("--batch", choices=BATCH_CHOICES, default="auto", help=BATCH_HELP)
     run.set_defaults(func=cmd_run)
 
     sweep = sub.add_parser("sweep", help="run a grid of datasets x methods x seeds, skipping finished runs")
@@ -202,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "results): a run found there with the same config is skipped (repeatable)")
     sweep.add_argument("--no-progress", action="store_true", help="no progress bars")
     sweep.add_argument("--workers", type=int, default=1, metavar="N", help=WORKERS_HELP)
-    sweep.add_argument("--batch", choices=BATCH_CHOICES + ("runs",), default="none", help=SWEEP_BATCH_HELP)
+    sweep.add_argument("--batch", choices=BATCH_CHOICES + ("runs",), default="auto", help=SWEEP_BATCH_HELP)
     sweep.set_defaults(func=cmd_sweep)
 
     rescore = sub.add_parser("rescore", help="score a finished run's models again under other evaluation settings")

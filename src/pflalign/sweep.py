@@ -370,7 +370,7 @@ def _check_same_config(run: PlannedRun) -> None:
                         f"use another --out or remove that run")
 
 
-def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1, batch: str = "none") -> list[dict]:
+def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1, batch: str = "auto") -> list[dict]:
     """Run the planned runs one after another (`workers`, `batch`: engine.run's; "runs": those that
     share a base model together, `run_together`); returns each finished one's results. A run whose
     training reaches a non-finite value stops (engine.run keeps its last checkpoint) and the sweep

@@ -38,7 +38,7 @@ from ..methods.base import Method, Params, clone
 from ..model import FederatedLM, build_model, resolve_device
 from ..data.clients import client_shares_described
 from .server import RoundRecord, Server
-from .lockstep import check_batch
+from .lockstep import check_batch, resolve_batch
 from .jobs import ClientSide, ScoreJob, StartedRound, TrainJob, personalized_adapter, run_train_jobs_lockstep
 from .workers import Inline, Processes, bound_workers, check_workers
 
@@ -58,10 +58,11 @@ class Federation:
     """
 
     def __init__(self, cfg: RunConfig, progress: bool = True, out: Path | str | None = None, workers: int = 1,
-                 batch: str = "none", shared: tuple[FederatedLM, Params] | None = None):
+                 batch: str = "auto", shared: tuple[FederatedLM, Params] | None = None):
         """`shared`: (a model this run shares with others, this run's w^0) for runs trained in
         lockstep (`--batch runs`, run/together.py), instead of a model of its own."""
         check_workers(workers, resolve_device(cfg.device))
+        batch = resolve_batch(batch, workers, cfg, resolve_device(cfg.device))
         check_batch(batch, workers, cfg)
         self.cfg = cfg
         self.batch = batch
@@ -374,7 +375,7 @@ class _Adapters(Mapping):
 @run_dir.guarded  # --out checked and locked, --overwrite restores the old run on failure
 def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
         stop_after: int | None = None, progress: bool = True, workers: int = 1,
-        allow_recipe_change: bool = False, batch: str = "none") -> dict | None:
+        allow_recipe_change: bool = False, batch: str = "auto") -> dict | None:
     """Run (or resume) one federated job into `out`; returns results, or None when stopped early.
     `workers` > 1: clients train and are scored in that many one-thread processes (`pflalign.run.workers`).
     `batch` "clients": a round's clients train in lockstep, step t of all in one pass (`pflalign.run.lockstep`),
