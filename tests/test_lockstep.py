@@ -97,6 +97,33 @@ def test_one_pass_gives_each_client_its_own_loss_and_gradient(request, family, u
         lm.set_lora(saved)
 
 
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_opt"])
+def test_a_padded_pass_of_equal_batches_takes_every_clients_lora_products_in_batched_matmuls(
+        request, family, monkeypatch):
+    """A GPU's padded pass of clients with equal batch sizes: every client's run of tokens has one
+    size, so each routed projection computes all clients' LoRA products in two torch.bmm calls
+    over the stacked adapters instead of two products per client; still each client's own loss
+    and gradient, as alone."""
+    lm = request.getfixturevalue(family)
+    batches = [batch(lm, [30, 50], 1), batch(lm, [64, 12], 2), batch(lm, [40, 40], 3)]
+    adapters = adapters_apart(lm, 3)
+    calls = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(a[0].shape[0]) or real_bmm(*a, **k))
+    saved = lm.get_lora()
+    try:
+        losses = lm.routed_loss_and_grads(batches, adapters, unpadded=False)
+        assert calls and set(calls) == {3}  # every batched product over the 3 clients
+        monkeypatch.setattr(torch, "bmm", real_bmm)
+        for j, (b, adapter) in enumerate(zip(batches, adapters)):
+            lm.set_lora(adapter)
+            loss, grads = lm.loss_and_grads(b, unpadded=False)
+            assert losses[j] == pytest.approx(loss, rel=TOL), j
+            assert_close_params({n: p.grad for n, p in adapter.items()}, grads, f"client {j}'s gradient")
+    finally:
+        lm.set_lora(saved)
+
+
 def test_a_shared_pass_runs_the_fused_mlp_with_each_clients_adapter(tiny_llama, monkeypatch):
     """On a Llama model the shared pass takes the fused LoRA MLP (model/lora_mlp.py) under the
     routing, every MLP call with runs of more than one client (the equalities above then hold

@@ -286,12 +286,15 @@ class FederatedLM:
         Σ_j (client j's summed token losses / its response tokens), whose gradient in client j's
         adapter is that of its own mean loss: its gradient alone (tested)."""
         slot = multi_lora.install(self.model, set(self.lora))
+        held = []
         for adapter in adapters:
             for p in adapter.values():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 else:
-                    p.grad.zero_()
+                    held.append(p.grad)
+        if held:
+            torch._foreach_zero_(held)  # every client's buffers in a few launches, not one per tensor
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
         counts = [int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches]
         width = max(b["input_ids"].shape[1] for b in batches)
