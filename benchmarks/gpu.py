@@ -456,6 +456,29 @@ def profile_step(lm, config, device: str, batch: int, seq: int, top: int = 15) -
                      "share": (getattr(e, key, 0) or 0) / total} for e in events[:top]]}
 
 
+def profile_calls(step, device: str, top: int = 12) -> dict:
+    """One call of `step` under torch.profiler: its wall time against the time the device was busy
+    (kernels' summed time: far below the wall time, the step waits on the host's launches), the
+    number of kernels launched, and the operators that took the most host time (self CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    tic = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    wall = time.perf_counter() - tic
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) if cuda else 0.0
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else 0
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return {"wall_ms_profiled": wall * 1e3, "device_busy_ms": device_us / 1e3, "kernels": kernels,
+            "top_host_ops": [{"name": e.key[:80], "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count}
+                             for e in host]}
+
+
 def build_hf_peft(name: str, device: str, tiny: bool):
     """The loop a user would write in ten lines (issue 55's anchor): the same bf16 base as
     `build_arch` (same seed, same weights) with PEFT's LoRA r16 alpha32 on every linear layer
@@ -612,7 +635,7 @@ BATCHED_ADAPTERS = (1, 4, 12, 44)  # one client; a round's 4; 3 runs' 12; 11 met
 BATCHED_SHAPES = {"flan": SHORT_SEQ, "dolly": SEQ}  # tokens per example: FLAN's at most ~250, Dolly's up to 1024
 
 
-def batched(device: str, tiny: bool, peak: dict | None) -> dict:
+def batched(device: str, tiny: bool, peak: dict | None, archs=BATCHED_ARCHS) -> dict:
     """K adapters trained in lockstep (`--batch clients`' step: `lockstep.shared_pass` over K
     minibatches of BATCH examples, each through its own adapter, then each adapter's SGD step),
     for K in BATCHED_ADAPTERS, at FLAN's and Dolly's example lengths: tokens/s, its share of the
@@ -627,7 +650,7 @@ def batched(device: str, tiny: bool, peak: dict | None) -> dict:
     batch = 2 if tiny else BATCH
     peak_tflops = peak.get("tflops") if isinstance(peak, dict) else None
     out = {}
-    for name in BATCHED_ARCHS:
+    for name in archs:
         if out_of_time():
             out[name] = {"error": "skipped: --budget-s spent"}
             continue
@@ -677,6 +700,12 @@ def batched(device: str, tiny: bool, peak: dict | None) -> dict:
                     one = per.get("1", {}).get("tokens_per_s")
                     if one:
                         timing["over_one_adapter"] = timing["tokens_per_s"] / one
+                    if name == BATCHED_ARCHS[0] and shape == "dolly" and k in (1, 12):
+                        # where a step's time goes as adapters are added (a diagnostic: its failure costs nothing else)
+                        try:
+                            timing["profile"] = profile_calls(step, device)
+                        except Exception as exc:  # noqa: BLE001
+                            timing["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
                     per[str(k)] = timing
                     del adapters, batches
                     if device.startswith("cuda"):
@@ -771,6 +800,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu.json"))
     parser.add_argument("--sections", default="matmul_peak,correctness,speed,hf_anchor,batched,bill")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--batched-archs", default=",".join(BATCHED_ARCHS),
+                        help="the architectures of the batched section (a short call: smollm2-135m)")
     parser.add_argument("--write-reference", action="store_true",
                         help="on CPU: write benchmarks/results/gpu_reference.* from the pinned runs")
     parser.add_argument("--budget-s", type=float, default=420,
@@ -821,7 +852,7 @@ def main(argv=None) -> int:
         section(report, "hf_anchor", hf_anchor, device, tiny, report.get("speed", {}))
         save()
     if "batched" in sections:
-        section(report, "batched", batched, device, tiny, report.get("matmul_peak"))
+        section(report, "batched", batched, device, tiny, report.get("matmul_peak"), args.batched_archs.split(","))
         save()
     if "bill" in sections:
         section(report, "bill", bill, report.get("speed", {}))
