@@ -129,8 +129,25 @@ def test_lora_swiglu_routed_gives_each_run_its_own_adapter(owners, d, d_ff, r, f
     gradients equal, run by run, the unfused MLP at that run's adapter, in float64; an adapter
     that owns no token gets a zero gradient (or none), never another's."""
     gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
     sizes = torch.randint(1, 5, (len(owners),), generator=gen).tolist()
+    _check_routed_swiglu(owners, sizes, d, d_ff, r, frozen_a, recompute, gen)
+
+
+@pytest.mark.parametrize("frozen_a", [False, True])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_lora_swiglu_takes_equal_runs_of_distinct_adapters_in_batched_products(frozen_a, recompute, monkeypatch):
+    """A GPU's padded pass of clients with equal batches: runs of one size, each its own adapter.
+    Their rank-r terms go through torch.bmm over the stacked factors (forward and backward), with
+    the same output and gradients as the unfused MLP run by run, in float64."""
+    calls = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(a[0].shape[0]) or real_bmm(*a, **k))
+    _check_routed_swiglu([2, 0, 1], [4, 4, 4], 5, 7, 3, frozen_a, recompute, torch.Generator().manual_seed(3))
+    assert calls and set(calls) == {3}
+
+
+def _check_routed_swiglu(owners, sizes, d, d_ff, r, frozen_a, recompute, gen):
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
     x = rand(sum(sizes), d).requires_grad_()
     bases = [rand(d_ff, d), rand(d_ff, d), rand(d, d_ff)]
     adapters = []  # per adapter: (A, B) of gate, up, down

@@ -90,14 +90,17 @@ class LoraSwiGLU(torch.autograd.Function):
         # down: out = h W_dᵀ + (s·h A_dᵀ) B_dᵀ
         silu_g = F.silu(g)
         d_h = d_out @ w_down
-        for j, lo, hi in spans:
-            i = 6 * j + 4
-            d_ha = (d_out[lo:hi] @ factors[i + 1]).mul_(s)  # d(h A_dᵀ)
-            if need[i + 1]:
-                keep(i + 1, d_out[lo:hi].T @ ha_down[lo:hi])
-            if need[i]:
-                keep(i, d_ha.T @ (silu_g[lo:hi] * u[lo:hi]))  # h, recomputed
-            d_h[lo:hi].addmm_(d_ha, factors[i])
+        if _batched(spans):
+            _lora_backward_batched(d_out, lambda: silu_g * u, ha_down, d_h, spans, factors, 4, s, need, keep)
+        else:
+            for j, lo, hi in spans:
+                i = 6 * j + 4
+                d_ha = (d_out[lo:hi] @ factors[i + 1]).mul_(s)  # d(h A_dᵀ)
+                if need[i + 1]:
+                    keep(i + 1, d_out[lo:hi].T @ ha_down[lo:hi])
+                if need[i]:
+                    keep(i, d_ha.T @ (silu_g[lo:hi] * u[lo:hi]))  # h, recomputed
+                d_h[lo:hi].addmm_(d_ha, factors[i])
         del d_out
 
         # h = silu(g) · u
@@ -108,14 +111,18 @@ class LoraSwiGLU(torch.autograd.Function):
 
         # gate and up: y = x Wᵀ + (s·x Aᵀ) Bᵀ
         d_x = (d_g @ w_gate).addmm_(d_u, w_up)
-        for j, lo, hi in spans:
-            for d_y, xa, i in ((d_g, xa_gate, 6 * j), (d_u, xa_up, 6 * j + 2)):
-                d_xa = (d_y[lo:hi] @ factors[i + 1]).mul_(s)
-                if need[i + 1]:
-                    keep(i + 1, d_y[lo:hi].T @ xa[lo:hi])
-                if need[i]:
-                    keep(i, d_xa.T @ x2[lo:hi])
-                d_x[lo:hi].addmm_(d_xa, factors[i])
+        if _batched(spans):
+            for d_y, xa, first in ((d_g, xa_gate, 0), (d_u, xa_up, 2)):
+                _lora_backward_batched(d_y, lambda: x2, xa, d_x, spans, factors, first, s, need, keep)
+        else:
+            for j, lo, hi in spans:
+                for d_y, xa, i in ((d_g, xa_gate, 6 * j), (d_u, xa_up, 6 * j + 2)):
+                    d_xa = (d_y[lo:hi] @ factors[i + 1]).mul_(s)
+                    if need[i + 1]:
+                        keep(i + 1, d_y[lo:hi].T @ xa[lo:hi])
+                    if need[i]:
+                        keep(i, d_xa.T @ x2[lo:hi])
+                    d_x[lo:hi].addmm_(d_xa, factors[i])
         d_x = d_x.view(ctx.x_shape) if ctx.needs_input_grad[0] else None
         return (d_x, None, None, None, None, None, None, *grads)
 
@@ -133,9 +140,54 @@ def _spans(runs, tokens: int) -> list[tuple[int, int, int]]:
     return spans
 
 
+def _batched(spans) -> bool:
+    """Runs of one size, each its own adapter (a GPU's padded pass of clients with equal batches):
+    the runs' rank-r terms go in batched products over the stacked factors (torch.bmm), two
+    launches a term where the loop over runs takes two a run."""
+    owners = [j for j, _, _ in spans]
+    return len(spans) > 1 and len({hi - lo for _, lo, hi in spans}) == 1 and len(set(owners)) == len(owners)
+
+
+def _stacked(spans, factors, index: int) -> torch.Tensor:
+    """Factor `index` (0-5, module docstring) of every run's adapter, stacked: (runs, ...)."""
+    return torch.stack([factors[6 * j + index] for j, _, _ in spans])
+
+
+def _by_run(t: torch.Tensor, spans) -> torch.Tensor:
+    """(tokens, f) → (runs, tokens of a run, f): the runs are consecutive and of one size."""
+    return t.view(len(spans), -1, t.shape[-1])
+
+
+def _lora_backward_batched(d_y, v_of, va, d_v, spans, factors, first: int, s: float, need, keep) -> None:
+    """The loop's backward of y = v Wᵀ + (s·v A_jᵀ) B_jᵀ for every run at once (`_batched` runs):
+    B_j's gradient d_yᵀ (s·v A_jᵀ), A_j's (s·d_y B_j)ᵀ v where wanted (v_of() gives v), and
+    d_v += (s·d_y B_j) A_j."""
+    d_y3 = _by_run(d_y.contiguous(), spans)
+    a, b = _stacked(spans, factors, first), _stacked(spans, factors, first + 1)
+    d_va = torch.bmm(d_y3, b).mul_(s)  # d(v A_jᵀ) of each run
+    idx = [(k, 6 * j + first) for k, (j, _, _) in enumerate(spans)]
+    if any(need[i + 1] for _, i in idx):
+        grad_b = torch.bmm(d_y3.transpose(1, 2), _by_run(va, spans))
+        for k, i in idx:
+            if need[i + 1]:
+                keep(i + 1, grad_b[k])
+    if any(need[i] for _, i in idx):
+        grad_a = torch.bmm(d_va.transpose(1, 2), _by_run(v_of().contiguous(), spans))
+        for k, i in idx:
+            if need[i]:
+                keep(i, grad_a[k])
+    _by_run(d_v, spans).baddbmm_(d_va, a)
+
+
 def _add_lora(y, v, spans, factors, first: int, scaling: float, kept: torch.Tensor | None = None) -> torch.Tensor:
     """y[run] += (s·v[run] A_jᵀ) B_jᵀ for each run of adapter j, A_j and B_j its factors
     `first` and `first + 1`; returns the rank-r s·v A_jᵀ of every token (or takes them `kept`)."""
+    if _batched(spans):
+        a, b = _stacked(spans, factors, first), _stacked(spans, factors, first + 1)
+        va = torch.bmm(_by_run(v.contiguous(), spans), a.transpose(1, 2)).mul_(scaling) if kept is None \
+            else _by_run(kept, spans)
+        _by_run(y, spans).baddbmm_(va, b.transpose(1, 2))
+        return kept if kept is not None else va.view(-1, va.shape[-1])
     parts = []
     for j, lo, hi in spans:
         a, b = factors[6 * j + first], factors[6 * j + first + 1]
