@@ -721,6 +721,87 @@ def batched(device: str, tiny: bool, peak: dict | None, archs=BATCHED_ARCHS) -> 
     return out
 
 
+SCORING_ADAPTERS = (1, 4, 12)  # one model; a round's 4 clients; 3 runs' (or 6 models of 2 runs, ...)
+SCORING_PROMPTS, SCORING_NEW_TOKENS = 16, 32  # per adapter; no EOS: every row runs all its tokens
+
+
+class _Ids:
+    """A tokenizer stand-in for random token ids (generate decodes the answers)."""
+
+    pad_token_id = 0
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(map(str, ids))
+
+
+def scoring(device: str, tiny: bool, archs=BATCHED_ARCHS[:1]) -> dict:
+    """The final evaluation's greedy decoding with K adapters (issue 55, point 4): one merged model
+    after another (the one-at-a-time path) against all K in one decoding loop, each row with its
+    own adapter (`batched_scoring.generate_per_adapter`, what --batch clients/runs scores with), at
+    the evaluation's batch (EVAL_BATCH rows) and at 4x it. Tokens/s; decoding is bound by launches
+    on a GPU (gpu_eval_batch.json), so what the one loop buys is fuller batches."""
+    from pflalign.evaluate import generate
+    from pflalign.run.batched_scoring import generate_per_adapter
+
+    counts = (1, 4) if tiny else SCORING_ADAPTERS
+    prompts, new_tokens, rows = (3, 4, 4) if tiny else (SCORING_PROMPTS, SCORING_NEW_TOKENS, EVAL_BATCH)
+    out = {"prompts_per_adapter": prompts, "new_tokens": new_tokens, "prompt_tokens": "60 to 250, random"}
+    for name in archs:
+        if out_of_time():
+            out[name] = {"error": "skipped: --budget-s spent"}
+            continue
+        try:
+            lm, config = build_arch(name, device, tiny)
+            lm.tokenizer = _Ids()
+            generate_per_adapter(lm, [(lm.get_lora(), [[5, 6, 7]] * 2)], 2, 2)  # warm-up, untimed
+            per = {}
+            for k in counts:
+                log(f"scoring {name} K={k}")
+                if out_of_time():
+                    per[str(k)] = {"error": "skipped: --budget-s spent"}
+                    continue
+                gen = torch.Generator().manual_seed(k)
+                sets = []
+                for _ in range(k):
+                    adapter = {n: t.detach().clone() for n, t in lm.lora.items()}
+                    for t in adapter.values():
+                        t.add_(torch.randn(t.shape, generator=gen).to(t.device) * 1e-2)
+                    lengths = torch.randint(20 if tiny else 60, 40 if tiny else 251, (prompts,), generator=gen)
+                    sets.append((adapter, [torch.randint(3, config.vocab_size, (int(n),), generator=gen).tolist()
+                                           for n in lengths]))
+                row = {}
+                for batch in (rows, 4 * rows):
+                    def one_at_a_time():
+                        for adapter, texts in sets:
+                            lm.set_lora(adapter)
+                            with lm.merged():
+                                generate(lm.model, lm.tokenizer, texts, new_tokens, batch, progress=False)
+
+                    def one_loop():
+                        generate_per_adapter(lm, sets, new_tokens, batch)
+
+                    for label, fn in (("one_at_a_time", one_at_a_time), ("one_loop", one_loop)):
+                        sync(device)
+                        tic = time.perf_counter()
+                        fn()
+                        sync(device)
+                        seconds = time.perf_counter() - tic
+                        row[f"{label}_rows{batch}"] = {"seconds": seconds,
+                                                       "tokens_per_s": k * prompts * new_tokens / seconds}
+                    row[f"one_loop_over_one_at_a_time_rows{batch}"] = (
+                        row[f"one_at_a_time_rows{batch}"]["seconds"] / row[f"one_loop_rows{batch}"]["seconds"])
+                per[str(k)] = row
+            out[name] = per
+            del lm
+        except Exception as exc:  # noqa: BLE001  (the next architecture still runs)
+            out[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        log(f"  -> {json.dumps(out[name])[:2000]}")
+    return out
+
+
 def bill_batched(batched_rows: dict, speed_rows: dict) -> dict:
     """Projected device time of a 33-run Table 1 trained in lockstep, from the ``batched`` figures.
 
@@ -798,7 +879,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (tiny shapes, the test)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu.json"))
-    parser.add_argument("--sections", default="matmul_peak,correctness,speed,hf_anchor,batched,bill")
+    parser.add_argument("--sections", default="matmul_peak,correctness,speed,hf_anchor,batched,scoring,bill")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--batched-archs", default=",".join(BATCHED_ARCHS),
                         help="the architectures of the batched section (a short call: smollm2-135m)")
@@ -853,6 +934,9 @@ def main(argv=None) -> int:
         save()
     if "batched" in sections:
         section(report, "batched", batched, device, tiny, report.get("matmul_peak"), args.batched_archs.split(","))
+        save()
+    if "scoring" in sections:
+        section(report, "scoring", scoring, device, tiny)
         save()
     if "bill" in sections:
         section(report, "bill", bill, report.get("speed", {}))

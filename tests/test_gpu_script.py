@@ -98,6 +98,13 @@ def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
                 assert row["tokens_per_s"] > 0 and row["losses_finite"] and row["clients_per_pass"] == int(k)
             assert per["12"]["batch"] == 12 * 2 and per["12"]["over_one_adapter"] > 0
     assert report["bill_batched"]["smollm2-135m dolly"]["runs_minutes"] > 0
+    # scoring: K adapters one merged model after another and in one loop, at two batch sizes
+    per = report["scoring"][gpu.BATCHED_ARCHS[0]]
+    assert sorted(map(int, per)) == [1, 4]
+    for row in per.values():
+        for batch in (4, 16):
+            assert row[f"one_loop_rows{batch}"]["tokens_per_s"] > 0 and row[f"one_at_a_time_rows{batch}"]["seconds"] > 0
+            assert row[f"one_loop_over_one_at_a_time_rows{batch}"] > 0
     anchor = report["hf_anchor"]
     assert len(anchor) == len(gpu.HF_SHAPES)
     for key, row in anchor.items():
