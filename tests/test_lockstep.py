@@ -339,3 +339,22 @@ def test_auto_trains_clients_in_lockstep_on_cuda_only_where_lockstep_runs():
     assert resolve_batch("auto", 2, cfg, "cuda") == resolve_batch("auto", 1, accumulating, "cuda") == "none"
     for explicit in ("none", "clients", "runs"):
         assert resolve_batch(explicit, 1, cfg, "cpu") == resolve_batch(explicit, 1, cfg, "cuda") == explicit
+
+
+def test_auto_on_cuda_trains_in_lockstep_and_scores_one_model_at_a_time(tmp_path, monkeypatch):
+    """--batch auto where it resolves to lockstep (CUDA; here forced on the CPU): the clients train
+    in lockstep, but their models are scored one merged model at a time, the per-row decoding loop
+    being unmeasured on a GPU; an explicit --batch clients scores them in one loop."""
+    import pflalign.run.engine as engine
+
+    monkeypatch.setattr(engine, "resolve_batch", lambda batch, *a: "clients" if batch == "auto" else batch)
+    used = {"lockstep": 0, "one_loop": 0}
+    for name, key in (("run_train_jobs_lockstep", "lockstep"), ("score_jobs_together", "one_loop")):
+        real = getattr(engine, name)
+        monkeypatch.setattr(engine, name, lambda *a, _real=real, _key=key, **k: used.__setitem__(_key, used[_key] + 1)
+                            or _real(*a, **k))
+    cfg = tiny("fedavg")
+    results = run(cfg, tmp_path / "auto", progress=False)
+    assert used == {"lockstep": cfg.rounds, "one_loop": 0} and results["batch"] == "clients"
+    run(cfg, tmp_path / "clients", progress=False, batch="clients")
+    assert used["lockstep"] == 2 * cfg.rounds and used["one_loop"] == 1

@@ -161,8 +161,9 @@ BATCH_CHOICES = ("auto", "none", "clients")
 BATCH_HELP = ("clients: train a round's clients in lockstep, local step t of all of them in one forward and "
               "backward through the base, each with its own adapter, and score every client's personalized and "
               "global models in one decoding loop (results equal the one-at-a-time run's to float rounding; not "
-              "with --workers > 1 or gradient accumulation); none: one at a time; default auto: clients on CUDA "
-              "(measured faster there), none elsewhere")
+              "with --workers > 1 or gradient accumulation); none: one at a time; default auto: on CUDA the "
+              "clients train in lockstep (measured faster there) and are scored one model at a time; none "
+              "elsewhere")
 SWEEP_BATCH_HELP = BATCH_HELP.replace("; default auto", "; runs: the runs that share a base model together, "
                                       "every client of every run in lockstep; default auto")
 

@@ -62,10 +62,15 @@ class Federation:
         """`shared`: (a model this run shares with others, this run's w^0) for runs trained in
         lockstep (`--batch runs`, run/together.py), instead of a model of its own."""
         check_workers(workers, resolve_device(cfg.device))
+        asked = batch
         batch = resolve_batch(batch, workers, cfg, resolve_device(cfg.device))
         check_batch(batch, workers, cfg)
         self.cfg = cfg
         self.batch = batch
+        # the clients' models scored in one decoding loop when --batch asks for it; `auto` trains in
+        # lockstep on CUDA (measured faster there) but scores one merged model at a time until the
+        # per-row loop is measured there too (benchmarks/gpu.py's scoring section)
+        self.score_together = batch != "none" and asked != "auto"
         self.progress = progress
         self._runner: Inline | Processes | None = None
         shares, self.data_info = client_shares_described(cfg)
@@ -282,7 +287,7 @@ class Federation:
         shared = {"global": self.global_params}
         # --batch: the adapters' jobs in one decoding loop, a row per prompt with its own adapter
         if done_jobs is None:
-            done_jobs = (score_jobs_together(self.side, jobs, shared, self.progress) if self.batch != "none"
+            done_jobs = (score_jobs_together(self.side, jobs, shared, self.progress) if self.score_together
                          else self.runner.map(jobs, shared, costs))
         for job, done in zip(jobs, done_jobs, strict=True):  # (done_jobs handed in: from jobs built alike)
             assert done.k == job.k, f"client {done.k}'s scores handed in for client {job.k}'s job"

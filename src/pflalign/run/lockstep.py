@@ -227,10 +227,12 @@ BATCH_MODES = ("auto", "none", "clients", "runs")  # runs: a sweep's runs togeth
 
 def resolve_batch(batch: str, workers: int, cfg, device: str) -> str:
     """`auto` (the default): a round's clients in lockstep on CUDA, one at a time elsewhere. On one
-    H200 a shared pass of 4 clients' steps ran 1.72-1.81x the tokens/s of one client's at
-    SmolLM2-135M and 1.25-1.38x at LLaMA-3.2-1B, FLAN- and Dolly-shaped (benchmarks/results/
-    gpu-batched.json); on this 2-core CPU it is 1.0x (batched-cpu.json), and one at a time keeps
-    the CPU's pinned results bit for bit. Not with workers or gradient accumulation (`check_batch`)."""
+    H200 a shared pass of 4 clients' steps ran 1.08-1.81x the tokens/s of one client's at
+    SmolLM2-135M and 1.25-1.95x at LLaMA-3.2-1B, FLAN- and Dolly-shaped, in two calls (benchmarks/
+    results/gpu-batched.json, gpu-batched-profile.json), about 3x at SmolLM2 with the batched LoRA
+    products (gpu-batched-bmm.json); on this 2-core CPU it is 1.0x (batched-cpu.json), and one at a time keeps
+    the CPU's pinned results bit for bit. Not with workers or gradient accumulation (`check_batch`).
+    The training only: `Federation.score_together` keeps `auto`'s scoring one model at a time."""
     if batch != "auto":
         return batch
     lockstep_fits = workers == 1 and cfg.optimizer.grad_accumulation == 1
