@@ -60,15 +60,24 @@ def federation_sets(lm, texts=TEXTS, start: str = ""):
 
 
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_opt"])
-def test_one_loop_gives_each_adapter_its_own_predictions(request, family):
+@pytest.mark.parametrize("gather", [False, True], ids=["runs", "gathered"])
+def test_one_loop_gives_each_adapter_its_own_predictions(request, family, gather, monkeypatch):
     """Clients of 3 and 5 prompts, each with its personalized adapter and the global one, in one loop:
     word for word each adapter's merged generation alone, in groups of 1, 3 (rows of several
-    adapters and lengths, groups joining as rows end) and all."""
+    adapters and lengths, groups joining as rows end) and all. `gathered`: each row's factors
+    gathered for two batched products a projection (multi_lora.GATHER_DEVICES, CUDA's path, here
+    forced on the CPU) instead of a pair of products per run of rows."""
     lm = request.getfixturevalue(family)
     sets = federation_sets(lm)
+    calls = []
+    if gather:
+        monkeypatch.setattr(multi_lora, "GATHER_DEVICES", {"cpu", "cuda"})
+        real_bmm = torch.bmm
+        monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(1) or real_bmm(*a, **k))
     for batch_size in (1, 3, 64):
         expected = one_at_a_time(lm, sets, 12, batch_size)
         assert generate_per_adapter(lm, sets, 12, batch_size) == expected, batch_size
+    assert bool(calls) == gather  # the gathered path ran, and only where asked
     # the adapters really differ: a loop that mixed them up could not give every set its own answers
     assert expected[0] != expected[2] and expected[1] != expected[3]
     assert all(any(answer) for answers in expected for answer in answers)

@@ -43,10 +43,23 @@ from ..params import Params
 @dataclass
 class Routing:
     """Whose tokens are which in one call: `runs` of (j, n), in the call's flattened token order,
-    say that the next n tokens take adapter `adapters[j]` (its tensors by the model's LoRA names)."""
+    say that the next n tokens take adapter `adapters[j]` (its tensors by the model's LoRA names).
+    `rows` (decoding, `row_router`): each row's adapter index, the call's rows of equal width, and
+    `stacks` a cache of every layer's stacked factors for the whole decoding loop, so that on a
+    device in GATHER_DEVICES each projection takes all rows' updates in two batched products over
+    the rows' gathered factors, however many runs the rows make."""
 
     adapters: list[Params]
     runs: list[tuple[int, int]]
+    rows: torch.Tensor | None = None
+    stacks: dict | None = None
+
+
+# where decoding with a per-row adapter gathers each row's factors (a few launches a projection) instead
+# of a pair of products per run of rows: CUDA, where launches bound the decoding (benchmarks/results/
+# gpu_eval_batch.json); not yet timed there (benchmarks/gpu.py's scoring section). The CPU keeps the
+# loop over runs, timed in benchmarks/results/batched-scoring-cpu.json.
+GATHER_DEVICES = {"cuda"}
 
 
 class _Slot:
@@ -112,6 +125,16 @@ def _routed_forward(layer, x, *args, **kwargs):
     sizes = [n for _, n in routing.runs]
     if sum(sizes) != flat.shape[0]:
         raise ValueError(f"routing covers {sum(sizes)} tokens, the call has {flat.shape[0]}")
+    if not torch.is_grad_enabled() and routing.rows is not None and x.device.type in GATHER_DEVICES:
+        if a_name not in routing.stacks:  # once per decoding loop and layer
+            routing.stacks[a_name] = (torch.stack([adapter[a_name] for adapter in routing.adapters]),
+                                      torch.stack([adapter[b_name] for adapter in routing.adapters]))
+        a_all, b_all = routing.stacks[a_name]
+        a, b = a_all[routing.rows], b_all[routing.rows]  # each row's factors: rows x r x d_in, rows x d_out x r
+        tokens = flat.reshape(len(routing.rows), -1, flat.shape[-1]).to(a.dtype)
+        update = torch.bmm(torch.bmm(tokens, a.transpose(1, 2)), b.transpose(1, 2)) * layer.scaling["default"]
+        result.view(len(routing.rows), -1, result.shape[-1]).add_(update.to(result.dtype))
+        return result
     if not torch.is_grad_enabled():  # generation: each run's update added in place (no full-size delta to copy)
         out, start = result.view(-1, result.shape[-1]), 0
         for (j, n), tokens in zip(routing.runs, flat.split(sizes)):
@@ -155,8 +178,11 @@ def row_router(model, names: set[str], adapters: list[Params]):
     width; a decode step: 1) computes row r with `adapters[owners[r]]`. The rows' tokens are
     contiguous in the flattened order, so a row is a run; neighbouring rows of one adapter join."""
     slot = install(model, names)
+    stacks: dict = {}  # every layer's stacked factors, built at its first call (GATHER_DEVICES)
+    device = next(iter(adapters[0].values())).device if adapters and adapters[0] else None
 
     def route(owners: list[int], n: int):
-        return routed(slot, Routing(adapters, runs_of(owners, [n] * len(owners))))
+        rows = torch.tensor(owners, device=device)
+        return routed(slot, Routing(adapters, runs_of(owners, [n] * len(owners)), rows, stacks))
 
     return route
