@@ -635,6 +635,24 @@ BATCHED_ADAPTERS = (1, 4, 12, 44)  # one client; a round's 4; 3 runs' 12; 11 met
 BATCHED_SHAPES = {"flan": SHORT_SEQ, "dolly": SEQ}  # tokens per example: FLAN's at most ~250, Dolly's up to 1024
 
 
+def for_each_arch(archs, device: str, measure) -> dict:
+    """{name: measure(name)} for each architecture while the budget lasts; a failure is that
+    architecture's row (with its traceback) and the next still runs."""
+    out = {}
+    for name in archs:
+        if out_of_time():
+            out[name] = {"error": "skipped: --budget-s spent"}
+            continue
+        try:
+            out[name] = measure(name)
+        except Exception as exc:  # noqa: BLE001  (the next architecture still runs)
+            out[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        log(f"  -> {json.dumps(out[name])[:2000]}")
+    return out
+
+
 def batched(device: str, tiny: bool, peak: dict | None, archs=BATCHED_ARCHS) -> dict:
     """K adapters trained in lockstep (`--batch clients`' step: `lockstep.shared_pass` over K
     minibatches of BATCH examples, each through its own adapter, then each adapter's SGD step),
@@ -649,76 +667,68 @@ def batched(device: str, tiny: bool, peak: dict | None, archs=BATCHED_ARCHS) -> 
     counts, shapes = ((1, 4, 12), {"flan": 32, "dolly": 64}) if tiny else (BATCHED_ADAPTERS, BATCHED_SHAPES)
     batch = 2 if tiny else BATCH
     peak_tflops = peak.get("tflops") if isinstance(peak, dict) else None
-    out = {}
-    for name in archs:
-        if out_of_time():
-            out[name] = {"error": "skipped: --budget-s spent"}
-            continue
-        try:
-            lm, config = build_arch(name, device, tiny)
-            params = count_params(lm)
-            row = {}
-            for shape, seq in shapes.items():
-                size, per = PassSize(), {}
-                for k in counts:
-                    log(f"batched {name} {shape} K={k}")
-                    if out_of_time():
-                        per[str(k)] = {"error": "skipped: --budget-s spent"}
-                        continue
-                    gen = torch.Generator().manual_seed(k)
-                    adapters = []
-                    for _ in range(k):  # adapters apart, as clients' are after a round
-                        live = own_adapter(lm.lora)
-                        with torch.no_grad():
-                            for t in live.values():
-                                t.add_(torch.randn(t.shape, generator=gen).to(t.device) * 1e-3)
-                        adapters.append(live)
-                    batches = []
-                    for j in range(k):
-                        ids = torch.randint(3, config.vocab_size, (batch, seq), generator=gen)
-                        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                        "labels": ids.clone()})
 
-                    def step() -> float:
-                        losses = shared_pass(lm, batches, adapters, size)
-                        with torch.no_grad():  # each client's SGD step, as FedAvg's client takes it
-                            for adapter in adapters:
-                                for p in adapter.values():
-                                    p.sub_(p.grad, alpha=1e-4)
-                        return sum(losses) / len(losses)
+    def one(name: str) -> dict:
+        lm, config = build_arch(name, device, tiny)
+        params = count_params(lm)
+        row = {}
+        for shape, seq in shapes.items():
+            size, per = PassSize(), {}
+            for k in counts:
+                log(f"batched {name} {shape} K={k}")
+                if out_of_time():
+                    per[str(k)] = {"error": "skipped: --budget-s spent"}
+                    continue
+                gen = torch.Generator().manual_seed(k)
+                adapters = []
+                for _ in range(k):  # adapters apart, as clients' are after a round
+                    live = own_adapter(lm.lora)
+                    with torch.no_grad():
+                        for t in live.values():
+                            t.add_(torch.randn(t.shape, generator=gen).to(t.device) * 1e-3)
+                    adapters.append(live)
+                batches = []
+                for j in range(k):
+                    ids = torch.randint(3, config.vocab_size, (batch, seq), generator=gen)
+                    batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                    "labels": ids.clone()})
 
+                def step() -> float:
+                    losses = shared_pass(lm, batches, adapters, size)
+                    with torch.no_grad():  # each client's SGD step, as FedAvg's client takes it
+                        for adapter in adapters:
+                            for p in adapter.values():
+                                p.sub_(p.grad, alpha=1e-4)
+                    return sum(losses) / len(losses)
+
+                try:
+                    timing = timed_steps(step, device, k * batch, seq, warmup, steps)
+                except torch.OutOfMemoryError as exc:  # one client's pass did not fit
+                    per[str(k)] = {"error": f"OutOfMemoryError: {str(exc)[:200]}"}
+                    break
+                flops = train_flops(params, config, k * batch, seq)["total"]
+                timing.update(adapters=k, clients_per_pass=size.clients or k,
+                              tflops=flops / timing["step_seconds"] / 1e12)
+                if peak_tflops:
+                    timing["share_of_matmul_peak"] = timing["tflops"] / peak_tflops
+                one = per.get("1", {}).get("tokens_per_s")
+                if one:
+                    timing["over_one_adapter"] = timing["tokens_per_s"] / one
+                if name == BATCHED_ARCHS[0] and shape == "dolly" and k in (1, 12):
+                    # where a step's time goes as adapters are added (a diagnostic: its failure costs nothing else)
                     try:
-                        timing = timed_steps(step, device, k * batch, seq, warmup, steps)
-                    except torch.OutOfMemoryError as exc:  # one client's pass did not fit
-                        per[str(k)] = {"error": f"OutOfMemoryError: {str(exc)[:200]}"}
-                        break
-                    flops = train_flops(params, config, k * batch, seq)["total"]
-                    timing.update(adapters=k, clients_per_pass=size.clients or k,
-                                  tflops=flops / timing["step_seconds"] / 1e12)
-                    if peak_tflops:
-                        timing["share_of_matmul_peak"] = timing["tflops"] / peak_tflops
-                    one = per.get("1", {}).get("tokens_per_s")
-                    if one:
-                        timing["over_one_adapter"] = timing["tokens_per_s"] / one
-                    if name == BATCHED_ARCHS[0] and shape == "dolly" and k in (1, 12):
-                        # where a step's time goes as adapters are added (a diagnostic: its failure costs nothing else)
-                        try:
-                            timing["profile"] = profile_calls(step, device)
-                        except Exception as exc:  # noqa: BLE001
-                            timing["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
-                    per[str(k)] = timing
-                    del adapters, batches
-                    if device.startswith("cuda"):
-                        torch.cuda.empty_cache()
-                row[shape] = per
-            out[name] = row
-            del lm
-        except Exception as exc:  # noqa: BLE001  (the next architecture still runs)
-            out[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        log(f"  -> {json.dumps(out[name])[:2000]}")
-    return out
+                        timing["profile"] = profile_calls(step, device)
+                    except Exception as exc:  # noqa: BLE001
+                        timing["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
+                per[str(k)] = timing
+                del adapters, batches
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+            row[shape] = per
+        del lm
+        return row
+
+    return for_each_arch(archs, device, one)
 
 
 SCORING_ADAPTERS = (1, 4, 12)  # one model; a round's 4 clients; 3 runs' (or 6 models of 2 runs, ...)
@@ -747,59 +757,52 @@ def scoring(device: str, tiny: bool, archs=BATCHED_ARCHS[:1]) -> dict:
     counts = (1, 4) if tiny else SCORING_ADAPTERS
     prompts, new_tokens, rows = (3, 4, 4) if tiny else (SCORING_PROMPTS, SCORING_NEW_TOKENS, EVAL_BATCH)
     out = {"prompts_per_adapter": prompts, "new_tokens": new_tokens, "prompt_tokens": "60 to 250, random"}
-    for name in archs:
-        if out_of_time():
-            out[name] = {"error": "skipped: --budget-s spent"}
-            continue
-        try:
-            lm, config = build_arch(name, device, tiny)
-            lm.tokenizer = _Ids()
-            generate_per_adapter(lm, [(lm.get_lora(), [[5, 6, 7]] * 2)], 2, 2)  # warm-up, untimed
-            per = {}
-            for k in counts:
-                log(f"scoring {name} K={k}")
-                if out_of_time():
-                    per[str(k)] = {"error": "skipped: --budget-s spent"}
-                    continue
-                gen = torch.Generator().manual_seed(k)
-                sets = []
-                for _ in range(k):
-                    adapter = {n: t.detach().clone() for n, t in lm.lora.items()}
-                    for t in adapter.values():
-                        t.add_(torch.randn(t.shape, generator=gen).to(t.device) * 1e-2)
-                    lengths = torch.randint(20 if tiny else 60, 40 if tiny else 251, (prompts,), generator=gen)
-                    sets.append((adapter, [torch.randint(3, config.vocab_size, (int(n),), generator=gen).tolist()
-                                           for n in lengths]))
-                row = {}
-                for batch in (rows, 4 * rows):
-                    def one_at_a_time():
-                        for adapter, texts in sets:
-                            lm.set_lora(adapter)
-                            with lm.merged():
-                                generate(lm.model, lm.tokenizer, texts, new_tokens, batch, progress=False)
 
-                    def one_loop():
-                        generate_per_adapter(lm, sets, new_tokens, batch)
+    def one(name: str) -> dict:
+        lm, config = build_arch(name, device, tiny)
+        lm.tokenizer = _Ids()
+        generate_per_adapter(lm, [(lm.get_lora(), [[5, 6, 7]] * 2)], 2, 2)  # warm-up, untimed
+        per = {}
+        for k in counts:
+            log(f"scoring {name} K={k}")
+            if out_of_time():
+                per[str(k)] = {"error": "skipped: --budget-s spent"}
+                continue
+            gen = torch.Generator().manual_seed(k)
+            sets = []
+            for _ in range(k):
+                adapter = {n: t.detach().clone() for n, t in lm.lora.items()}
+                for t in adapter.values():
+                    t.add_(torch.randn(t.shape, generator=gen).to(t.device) * 1e-2)
+                lengths = torch.randint(20 if tiny else 60, 40 if tiny else 251, (prompts,), generator=gen)
+                sets.append((adapter, [torch.randint(3, config.vocab_size, (int(n),), generator=gen).tolist()
+                                       for n in lengths]))
+            row = {}
+            for batch in (rows, 4 * rows):
+                def one_at_a_time():
+                    for adapter, texts in sets:
+                        lm.set_lora(adapter)
+                        with lm.merged():
+                            generate(lm.model, lm.tokenizer, texts, new_tokens, batch, progress=False)
 
-                    for label, fn in (("one_at_a_time", one_at_a_time), ("one_loop", one_loop)):
-                        sync(device)
-                        tic = time.perf_counter()
-                        fn()
-                        sync(device)
-                        seconds = time.perf_counter() - tic
-                        row[f"{label}_rows{batch}"] = {"seconds": seconds,
-                                                       "tokens_per_s": k * prompts * new_tokens / seconds}
-                    row[f"one_loop_over_one_at_a_time_rows{batch}"] = (
-                        row[f"one_at_a_time_rows{batch}"]["seconds"] / row[f"one_loop_rows{batch}"]["seconds"])
-                per[str(k)] = row
-            out[name] = per
-            del lm
-        except Exception as exc:  # noqa: BLE001  (the next architecture still runs)
-            out[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        log(f"  -> {json.dumps(out[name])[:2000]}")
-    return out
+                def one_loop():
+                    generate_per_adapter(lm, sets, new_tokens, batch)
+
+                for label, fn in (("one_at_a_time", one_at_a_time), ("one_loop", one_loop)):
+                    sync(device)
+                    tic = time.perf_counter()
+                    fn()
+                    sync(device)
+                    seconds = time.perf_counter() - tic
+                    row[f"{label}_rows{batch}"] = {"seconds": seconds,
+                                                   "tokens_per_s": k * prompts * new_tokens / seconds}
+                row[f"one_loop_over_one_at_a_time_rows{batch}"] = (
+                    row[f"one_at_a_time_rows{batch}"]["seconds"] / row[f"one_loop_rows{batch}"]["seconds"])
+            per[str(k)] = row
+        del lm
+        return per
+
+    return {**out, **for_each_arch(archs, device, one)}
 
 
 def bill_batched(batched_rows: dict, speed_rows: dict) -> dict:
