@@ -47,12 +47,14 @@ class Routing:
     `rows` (decoding, `row_router`): each row's adapter index, the call's rows of equal width, and
     `stacks` a cache of every layer's stacked factors for the whole decoding loop, so that on a
     device in GATHER_DEVICES each projection takes all rows' updates in two batched products over
-    the rows' gathered factors, however many runs the rows make."""
+    the rows' gathered factors, however many runs the rows make (`row_index`: `rows` on that
+    device, made at the call's first such projection)."""
 
     adapters: list[Params]
     runs: list[tuple[int, int]]
-    rows: torch.Tensor | None = None
+    rows: list[int] | None = None
     stacks: dict | None = None
+    row_index: torch.Tensor | None = None
 
 
 # where decoding with a per-row adapter gathers each row's factors (a few launches a projection) instead
@@ -129,10 +131,11 @@ def _routed_forward(layer, x, *args, **kwargs):
         if a_name not in routing.stacks:  # once per decoding loop and layer
             routing.stacks[a_name] = (torch.stack([adapter[a_name] for adapter in routing.adapters]),
                                       torch.stack([adapter[b_name] for adapter in routing.adapters]))
+        if routing.row_index is None:
+            routing.row_index = torch.tensor(routing.rows, device=x.device)
         a_all, b_all = routing.stacks[a_name]
-        a, b = a_all[routing.rows], b_all[routing.rows]  # each row's factors: rows x r x d_in, rows x d_out x r
-        tokens = flat.reshape(len(routing.rows), -1, flat.shape[-1]).to(a.dtype)
-        update = torch.bmm(torch.bmm(tokens, a.transpose(1, 2)), b.transpose(1, 2)) * layer.scaling["default"]
+        # each row's factors: rows x r x d_in, rows x d_out x r
+        update = _per_row_update(flat, a_all[routing.row_index], b_all[routing.row_index]) * layer.scaling["default"]
         result.view(len(routing.rows), -1, result.shape[-1]).add_(update.to(result.dtype))
         return result
     if not torch.is_grad_enabled():  # generation: each run's update added in place (no full-size delta to copy)
@@ -149,8 +152,7 @@ def _routed_forward(layer, x, *args, **kwargs):
         # adapters, where the loop below launches two (and their casts) per run
         a = torch.stack([routing.adapters[j][a_name] for j in owners])  # K x r x d_in
         b = torch.stack([routing.adapters[j][b_name] for j in owners])  # K x d_out x r
-        tokens = flat.reshape(len(owners), sizes[0], flat.shape[-1]).to(a.dtype)
-        delta = torch.bmm(torch.bmm(tokens, a.transpose(1, 2)), b.transpose(1, 2)).reshape(-1, b.shape[1])
+        delta = _per_row_update(flat, a, b).reshape(-1, b.shape[1])
     else:
         parts = []
         for (j, _), tokens in zip(routing.runs, flat.split(sizes)):
@@ -159,6 +161,13 @@ def _routed_forward(layer, x, *args, **kwargs):
         delta = torch.cat(parts)
     delta = delta * layer.scaling["default"]
     return result + delta.view(*result.shape[:-1], delta.shape[-1]).to(result.dtype)
+
+
+def _per_row_update(flat: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """B_i(A_i x) for the i-th of len(a) equal consecutive groups of `flat`'s tokens, in two batched
+    products: a (groups, r, d_in), b (groups, d_out, r); (groups, tokens of a group, d_out)."""
+    tokens = flat.reshape(len(a), -1, flat.shape[-1]).to(a.dtype)
+    return torch.bmm(torch.bmm(tokens, a.transpose(1, 2)), b.transpose(1, 2))
 
 
 def runs_of(owners: list[int], sizes: list[int]) -> list[tuple[int, int]]:
@@ -179,10 +188,8 @@ def row_router(model, names: set[str], adapters: list[Params]):
     contiguous in the flattened order, so a row is a run; neighbouring rows of one adapter join."""
     slot = install(model, names)
     stacks: dict = {}  # every layer's stacked factors, built at its first call (GATHER_DEVICES)
-    device = next(iter(adapters[0].values())).device if adapters and adapters[0] else None
 
     def route(owners: list[int], n: int):
-        rows = torch.tensor(owners, device=device)
-        return routed(slot, Routing(adapters, runs_of(owners, [n] * len(owners)), rows, stacks))
+        return routed(slot, Routing(adapters, runs_of(owners, [n] * len(owners)), owners, stacks))
 
     return route

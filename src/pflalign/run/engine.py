@@ -61,9 +61,10 @@ class Federation:
                  batch: str = "auto", shared: tuple[FederatedLM, Params] | None = None):
         """`shared`: (a model this run shares with others, this run's w^0) for runs trained in
         lockstep (`--batch runs`, run/together.py), instead of a model of its own."""
-        check_workers(workers, resolve_device(cfg.device))
+        device = resolve_device(cfg.device)
+        check_workers(workers, device)
         asked = batch
-        batch = resolve_batch(batch, workers, cfg, resolve_device(cfg.device))
+        batch = resolve_batch(batch, workers, cfg, device)
         check_batch(batch, workers, cfg)
         self.cfg = cfg
         self.batch = batch
