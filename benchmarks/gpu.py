@@ -28,6 +28,9 @@ Sections, each wrapped so that one failing records its error in the JSON and the
 * ``batched``: clients in lockstep (issue 55): SmolLM2-135M and LLaMA-3.2-1B with 1, 4, 12 and
   44 adapters, FLAN-shaped (4 x 256) and Dolly-shaped (4 x 1024) minibatches each: tokens/s, share
   of the peak, peak memory, adapters per pass, gain over one adapter (`batched`).
+* ``scoring``: one run's final scoring at the protocol's test splits (SmolLM2-135M on Dolly,
+  LLaMA-3.2-1B on FLAN): one merged model after another at 64 rows and at ``auto`` rows, and
+  every model in one loop with per-row adapters at ``auto`` (`scoring`).
 * ``bill``: the projected device time of one FLAN and one Dolly run at the paper's protocol and
   of each 33-run Table 1, from those figures (`bill`); ``bill_batched``: a Table 1 in lockstep,
   clients of a run (built) and all runs' clients (projected) (`bill_batched`).
@@ -731,8 +734,12 @@ def batched(device: str, tiny: bool, peak: dict | None, archs=BATCHED_ARCHS) -> 
     return for_each_arch(archs, device, one)
 
 
-SCORING_ADAPTERS = (1, 4, 12)  # one model; a round's 4 clients; 3 runs' (or 6 models of 2 runs, ...)
-SCORING_PROMPTS, SCORING_NEW_TOKENS = 16, 32  # per adapter; no EOS: every row runs all its tokens
+# One run's final scoring at the protocol's test splits (`scoring`): the architecture and the
+# dataset whose Table 1 targets issue 55 sets, each decoding mode (how the models take turns, rows)
+SCORING_CASES = (("smollm2-135m", "dolly"), ("llama-3.2-1b", "flan"))
+SCORING_MODES = (("one_at_a_time", 64), ("one_at_a_time", "auto"), ("one_loop", "auto"))
+SCORING_NEW_TOKENS = 32  # per row, no EOS: every row runs all its tokens; the bill scales to EVAL_NEW_TOKENS
+PROMPT_LENGTHS = ROOT / "benchmarks" / "results" / "test_prompt_lengths.json"
 
 
 class _Ids:
@@ -745,75 +752,104 @@ class _Ids:
         return " ".join(map(str, ids))
 
 
-def scoring(device: str, tiny: bool, archs=BATCHED_ARCHS[:1]) -> dict:
-    """The final evaluation's greedy decoding with K adapters (issue 55, point 4): one merged model
-    after another (the one-at-a-time path) against all K in one decoding loop, each row with its
-    own adapter (`batched_scoring.generate_per_adapter`, what --batch clients/runs scores with), at
-    the evaluation's batch (EVAL_BATCH rows) and at 4x it. Tokens/s; decoding is bound by launches
-    on a GPU (gpu_eval_batch.json), so what the one loop buys is fuller batches."""
-    from pflalign.evaluate import generate
+def write_prompt_lengths(data_dir: str) -> dict:
+    """PROMPT_LENGTHS from the paper's federations in `data_dir` (the shared data: on CPU, where it
+    lies; the scoring section reads the file on a GPU, where it does not travel)."""
+    from pflalign.config import build_config
+    from pflalign.data.clients import client_shares
+    from pflalign.model import FederatedLM, LoraSettings
+    from pflalign.prompts import encode_prompt
+
+    lm = FederatedLM.build("smollm2-135m", LoraSettings(r=16, alpha=32), seed=0)
+    out = {"doc": ("Token counts of every test prompt of the paper's federations (dolly-paper, flan-paper "
+                   "presets: chat template, max_seq_len 1024), SmolLM2-135M-Instruct's tokenizer; written by "
+                   "`benchmarks/gpu.py --write-prompt-lengths --data-dir ../shared/data` on CPU, read by its "
+                   "scoring section on a GPU, where the data does not travel.")}
+    for dataset, where in (("dolly", "dolly/databricks-dolly-15k.jsonl"), ("flan", "flan")):
+        cfg = build_config(f"{dataset}-paper")
+        out[dataset] = {s.name: [len(encode_prompt(lm.tokenizer, ex, cfg.max_seq_len, cfg.data.template)[0])
+                                 for ex in s.test] for s in client_shares(cfg, str(Path(data_dir) / where))}
+    PROMPT_LENGTHS.write_text(json.dumps(out) + "\n")
+    return out
+
+
+def scoring(device: str, tiny: bool, cases=SCORING_CASES) -> dict:
+    """One run's final scoring (issue 55, point 4), as the engine scores it: each client's
+    personalized model and the global model over the client's test prompts (the protocol's splits,
+    PROMPT_LENGTHS: random token ids of the real prompts' lengths), SCORING_NEW_TOKENS each, in
+    each of SCORING_MODES: ``one_at_a_time`` (`run_score_job`'s path: one merged model after another,
+    a job per client and model) or ``one_loop`` (`generate_per_adapter`, what --batch clients/runs
+    scores with: every job in one decoding loop, each row with its own unmerged adapter), at 64 rows
+    (the CPU's eval.batch_size) or ``auto`` (`evaluate.decode_plan`: on CUDA up to 1024 rows within
+    half the free memory). Seconds, tokens/s, peak memory. Decoding is bound by launches on a GPU
+    (gpu_eval_batch.json): what auto and the one loop buy is fuller steps, fewer of them."""
+    from pflalign.evaluate import decode_plan, generate
     from pflalign.run.batched_scoring import generate_per_adapter
 
-    counts = (1, 4) if tiny else SCORING_ADAPTERS
-    prompts, new_tokens, rows = (3, 4, 4) if tiny else (SCORING_PROMPTS, SCORING_NEW_TOKENS, EVAL_BATCH)
-    out = {"prompts_per_adapter": prompts, "new_tokens": new_tokens, "prompt_tokens": "60 to 250, random"}
+    lengths = json.loads(PROMPT_LENGTHS.read_text())
+    new_tokens = 4 if tiny else SCORING_NEW_TOKENS
+    out = {"new_tokens": new_tokens, "prompt_lengths": PROMPT_LENGTHS.name}
 
-    def one(name: str) -> dict:
+    def one(case: str) -> dict:
+        name, dataset = case.split(" ")
         lm, config = build_arch(name, device, tiny)
         lm.tokenizer = _Ids()
         generate_per_adapter(lm, [(lm.get_lora(), [[5, 6, 7]] * 2)], 2, 2)  # warm-up, untimed
-        per = {}
-        for k in counts:
-            log(f"scoring {name} K={k}")
+        gen = torch.Generator().manual_seed(0)
+        clients = []  # (personalized adapter, prompts) per client
+        for counts in lengths[dataset].values():
+            counts = [min(n, 24) for n in counts[:3]] if tiny else counts
+            adapter = {n: t.detach().clone() for n, t in lm.lora.items()}
+            for t in adapter.values():
+                t.add_(torch.randn(t.shape, generator=gen).to(t.device) * 1e-2)
+            clients.append((adapter, [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in counts]))
+        global_ = {n: t.detach().clone() for n, t in lm.lora.items()}
+        jobs = clients + [(global_, prompts) for _, prompts in clients]  # the engine's score_jobs
+        made = new_tokens * sum(len(prompts) for _, prompts in jobs)
+        row = {"jobs": len(jobs), "prompts": sum(len(p) for _, p in jobs)}
+        for mode, rows in SCORING_MODES:
+            key = f"{mode}_rows{rows}"
             if out_of_time():
-                per[str(k)] = {"error": "skipped: --budget-s spent"}
+                row[key] = {"error": "skipped: --budget-s spent"}
                 continue
-            gen = torch.Generator().manual_seed(k)
-            sets = []
-            for _ in range(k):
-                adapter = {n: t.detach().clone() for n, t in lm.lora.items()}
-                for t in adapter.values():
-                    t.add_(torch.randn(t.shape, generator=gen).to(t.device) * 1e-2)
-                lengths = torch.randint(20 if tiny else 60, 40 if tiny else 251, (prompts,), generator=gen)
-                sets.append((adapter, [torch.randint(3, config.vocab_size, (int(n),), generator=gen).tolist()
-                                       for n in lengths]))
-            row = {}
-            for batch in (rows, 4 * rows):
-                def one_at_a_time():
-                    for adapter, texts in sets:
-                        lm.set_lora(adapter)
-                        with lm.merged():
-                            generate(lm.model, lm.tokenizer, texts, new_tokens, batch, progress=False)
-
-                def one_loop():
-                    generate_per_adapter(lm, sets, new_tokens, batch)
-
-                for label, fn in (("one_at_a_time", one_at_a_time), ("one_loop", one_loop)):
-                    sync(device)
-                    tic = time.perf_counter()
-                    fn()
-                    sync(device)
-                    seconds = time.perf_counter() - tic
-                    row[f"{label}_rows{batch}"] = {"seconds": seconds,
-                                                   "tokens_per_s": k * prompts * new_tokens / seconds}
-                row[f"one_loop_over_one_at_a_time_rows{batch}"] = (
-                    row[f"one_at_a_time_rows{batch}"]["seconds"] / row[f"one_loop_rows{batch}"]["seconds"])
-            per[str(k)] = row
+            log(f"scoring {name} {dataset} {key}")
+            if device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            sync(device)
+            tic = time.perf_counter()
+            if mode == "one_loop":
+                generate_per_adapter(lm, jobs, new_tokens, rows)
+            else:
+                for adapter, prompts in jobs:
+                    lm.set_lora(adapter)
+                    with lm.merged():
+                        generate(lm.model, lm.tokenizer, prompts, new_tokens, rows, progress=False)
+            sync(device)
+            seconds = time.perf_counter() - tic
+            row[key] = {"seconds": seconds, "tokens_per_s": made / seconds,
+                        "rows": decode_plan(lm.model, rows)[0],
+                        "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30
+                                            if device.startswith("cuda") else None)}
+            log(f"  {key}: {seconds:.2f} s")
         del lm
-        return per
+        return row
 
-    return {**out, **for_each_arch(archs, device, one)}
+    return {**out, **for_each_arch([f"{n} {d}" for n, d in cases], device, one)}
 
 
-def bill_batched(batched_rows: dict, speed_rows: dict) -> dict:
+def bill_batched(batched_rows: dict, speed_rows: dict, scoring_rows: dict | None = None) -> dict:
     """Projected device time of a 33-run Table 1 trained in lockstep, from the ``batched`` figures.
 
     ``clients`` (what --batch clients does today): each run's 4 clients share a pass, the runs one
     after another. ``runs`` (issue 55's point 3, projected): every run's clients of a round share
     passes, TABLE1_RUNS x CLIENTS adapters at the largest measured K's tokens/s. Both add
-    FedSAM's second gradient per client alone (the K = 1 rate; 3 runs x CLIENTS per step), and
-    score 2 models per run plus the base once at the ``speed`` section's generation rate
-    (EVAL_NEW_TOKENS each: an upper bound). Model building, data and checkpoints are left out.
+    FedSAM's second gradient per client alone (the K = 1 rate; 3 runs x CLIENTS per step). The
+    scoring: where the ``scoring`` section measured one run's at this architecture and dataset,
+    TABLE1_RUNS + 1/2 of its seconds (the base model once, half a run's two models) scaled from
+    its SCORING_NEW_TOKENS to EVAL_NEW_TOKENS (prefills too: an upper bound), for each mode
+    (``eval_minutes_by_mode``) and the fastest in the totals; else 2 models per run plus the base
+    once at the ``speed`` section's generation rate (64 rows; EVAL_NEW_TOKENS each: an upper
+    bound). Model building, data and checkpoints are left out.
     Targets: the Dolly Table 1 at SmolLM2-135M <= 12 minutes, LLaMA-3.2-1B's FLAN one <= 1 hour."""
     out = {"doc": bill_batched.__doc__}
     steps = ROUNDS * LOCAL_STEPS
@@ -822,18 +858,28 @@ def bill_batched(batched_rows: dict, speed_rows: dict) -> dict:
         per = batched_rows.get(name, {}).get(dataset, {})
         rates = {int(k): v["tokens_per_s"] for k, v in per.items() if isinstance(v, dict) and "tokens_per_s" in v}
         generate = speed_rows.get(name, {}).get("generate", {}).get("tokens_per_s")
-        if 1 not in rates or CLIENTS not in rates or not generate:
-            out[f"{name} {dataset}"] = {"error": "no batched or generation figures for this architecture"}
+        scored = (scoring_rows or {}).get(f"{name} {dataset}", {})
+        made = (scoring_rows or {}).get("new_tokens", SCORING_NEW_TOKENS)  # per row, in the scoring section
+        by_mode = {key: (TABLE1_RUNS + 0.5) * row["seconds"] * EVAL_NEW_TOKENS / made
+                   for key, row in scored.items() if isinstance(row, dict) and "seconds" in row}
+        if 1 not in rates or CLIENTS not in rates or not (generate or by_mode):
+            out[f"{name} {dataset}"] = {"error": "no batched or scoring figures for this architecture"}
             continue
         seq = BATCHED_SHAPES[dataset]
         tokens = BATCH * seq  # one client's step
         widest = max(rates)
         sam_s = steps * 3 * CLIENTS * tokens / rates[1]  # FedSAM's second gradient, each client alone
-        eval_s = (2 * TABLE1_RUNS + 1) * TEST_PROMPTS[dataset] * EVAL_NEW_TOKENS / generate
+        if by_mode:
+            eval_from = min(by_mode, key=by_mode.get)
+            eval_s = by_mode[eval_from]
+        else:
+            eval_from = "speed.generate (64 rows)"
+            eval_s = (2 * TABLE1_RUNS + 1) * TEST_PROMPTS[dataset] * EVAL_NEW_TOKENS / generate
         clients_s = steps * TABLE1_RUNS * CLIENTS * tokens / rates[CLIENTS] + sam_s
         runs_s = steps * TABLE1_RUNS * CLIENTS * tokens / rates[widest] + sam_s
         out[f"{name} {dataset}"] = {
-            "adapters_per_pass_measured": widest, "eval_minutes": eval_s / 60,
+            "adapters_per_pass_measured": widest, "eval_minutes": eval_s / 60, "eval_from": eval_from,
+            "eval_minutes_by_mode": {key: v / 60 for key, v in by_mode.items()},
             "clients_minutes": (clients_s + eval_s) / 60, "runs_minutes": (runs_s + eval_s) / 60}
     return out
 
@@ -888,6 +934,8 @@ def main(argv=None) -> int:
                         help="the architectures of the batched section (a short call: smollm2-135m)")
     parser.add_argument("--write-reference", action="store_true",
                         help="on CPU: write benchmarks/results/gpu_reference.* from the pinned runs")
+    parser.add_argument("--write-prompt-lengths", metavar="DATA_DIR",
+                        help="on CPU: write benchmarks/results/test_prompt_lengths.json from the shared data there")
     parser.add_argument("--budget-s", type=float, default=420,
                         help="skip the runs not started after this many seconds (the check must end < 8 min)")
     args = parser.parse_args(argv)
@@ -895,6 +943,10 @@ def main(argv=None) -> int:
     DEADLINE = time.time() + args.budget_s
     os.environ.setdefault("PFLALIGN_CACHE", tempfile.mkdtemp(prefix="pflalign-gpu-"))
     methods = args.methods.split(",")
+    if args.write_prompt_lengths:
+        write_prompt_lengths(args.write_prompt_lengths)
+        log(f"wrote {PROMPT_LENGTHS}")
+        return 0
     if args.write_reference:
         write_reference(methods)
         log(f"wrote {REFERENCE}.json and .safetensors")
@@ -944,7 +996,8 @@ def main(argv=None) -> int:
     if "bill" in sections:
         section(report, "bill", bill, report.get("speed", {}))
         if "batched" in report:
-            section(report, "bill_batched", bill_batched, report["batched"], report.get("speed", {}))
+            section(report, "bill_batched", bill_batched, report["batched"], report.get("speed", {}),
+                    report.get("scoring"))
     save()
     log(f"wrote {args.out} in {report['total_seconds']} s")
     return 0

@@ -12,6 +12,7 @@ import torch
 from pflalign import checkpoint as ckpt
 from pflalign.config import build_config
 from pflalign.data import Example
+from pflalign import evaluate
 from pflalign.evaluate import generate
 from pflalign.model import multi_lora
 from pflalign.prompts import encode_prompt
@@ -81,6 +82,30 @@ def test_one_loop_gives_each_adapter_its_own_predictions(request, family, gather
     # the adapters really differ: a loop that mixed them up could not give every set its own answers
     assert expected[0] != expected[2] and expected[1] != expected[3]
     assert all(any(answer) for answers in expected for answer in answers)
+
+
+def test_one_loop_under_cudas_memory_bound_keeps_each_adapters_predictions(tiny_llama, monkeypatch):
+    """`eval.batch_size=auto` on CUDA (`evaluate.decode_plan`, forced here on the CPU): groups of
+    as many rows as half the memory bound holds, each group's rows ordered by adapter, so that every
+    prefill routes runs of rows, not a change of adapter per row; the answers stay each adapter's alone."""
+    lm = tiny_llama
+    sets = federation_sets(lm)
+    per_token, _ = evaluate.kv_bytes_per_token(lm.model.get_base_model().config, torch.float32)
+    longest = max(len(p) for _, prompts in sets for p in prompts) + 12
+    memory = evaluate.DecodeMemory(8 * longest * per_token, per_token, 0, 0)  # 4 of the longest rows a group
+    monkeypatch.setattr(evaluate, "decode_plan", lambda model, batch_size: (64, memory))
+    routed = []
+    real_router = multi_lora.row_router
+
+    def spying_router(*args, **kwargs):
+        route = real_router(*args, **kwargs)
+        return lambda owners, n: routed.append((list(owners), n)) or route(owners, n)
+
+    monkeypatch.setattr(multi_lora, "row_router", spying_router)
+    assert generate_per_adapter(lm, sets, 12, "auto") == one_at_a_time(lm, sets, 12, 1)
+    prefills = [owners for owners, n in routed if n > 1]
+    assert len(prefills) >= 3  # 16 prompts, 64 rows allowed: the bound cut them into groups
+    assert all(owners == sorted(owners) for owners in prefills)  # a group's rows by adapter
 
 
 def test_a_shared_start_is_prefilled_once_per_adapter(tiny_llama):

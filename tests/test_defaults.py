@@ -158,3 +158,25 @@ def test_a_run_on_library_defaults_resumes_as_saved(tmp_path):
     saved = load_saved_config(out / "config.json")
     assert saved == cfg and recipe(saved) == recipe(cfg) and saved.defaults == "paper"
     assert run(None, out, resume=True, progress=False)["method"] == "pflalign"
+
+
+# ---- eval.batch_size: the decoding rows by device ------------------------------------------
+def test_eval_batch_size_unset_is_64_on_the_cpu_and_auto_on_cuda_as_config_json_records():
+    from pflalign.settings.defaults import EVAL_ROWS_CPU
+
+    assert build_config("demo").eval.batch_size == EVAL_ROWS_CPU == 64  # a CPU run's config.json as before
+    assert to_dict(build_config("dolly-paper"))["eval"]["batch_size"] == 64
+    for device in ("cuda", "cuda:1", "auto"):
+        cfg = build_config("demo", {"device": device})
+        assert cfg.eval.batch_size == "auto" and to_dict(cfg)["eval"]["batch_size"] == "auto"
+        assert build_config(None, json.loads(json.dumps(to_dict(cfg)))).eval.batch_size == "auto"  # read back
+    assert build_config("demo", {"device": "cuda", "eval": {"batch_size": 32}}).eval.batch_size == 32
+    assert build_config("demo", {"eval": {"batch_size": "auto"}}).eval.batch_size == "auto"
+
+
+@pytest.mark.parametrize("bad", [0, -3, "big"])
+def test_eval_batch_size_must_be_a_positive_number_or_auto(bad):
+    from pflalign.errors import UserError
+
+    with pytest.raises(UserError, match=f"eval.batch_size must be > 0 or auto, got {bad!r}"):
+        build_config("demo", {"eval": {"batch_size": bad}})

@@ -262,3 +262,76 @@ def test_rows_of_an_unpadded_group_keep_their_padding_masked_when_a_longer_group
     # [short, short] is one group of one length (no mask); [long_] joins it right after its prefill
     joined = _loop_ids(lm, [short, short, long_], 12, batch_size=2, refill_at=2)
     assert joined == [a for p in (short, short, long_) for a in _loop_ids(lm, [p], 12)]
+
+
+def test_kv_bytes_per_token_is_what_the_cache_holds(trained_lm):
+    """`kv_bytes_per_token`'s first figure (what `eval.batch_size=auto` budgets a row's token at on
+    CUDA) is the bytes the model's KV cache holds per row and token, Llama (grouped KV heads) and OPT."""
+    lm = trained_lm
+    inner = lm.model.get_base_model()
+    rows, width = 3, 7
+    out = lm.model(input_ids=torch.ones(rows, width, dtype=torch.long), use_cache=True)
+    cache = evaluate._cache_of(out)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    per_token, prefill = evaluate.kv_bytes_per_token(inner.config, torch.float32)
+    assert per_token == held / (rows * width) and prefill > 0
+    assert evaluate.kv_bytes_per_token(inner.config, torch.bfloat16)[0] == per_token // 2
+
+
+def test_eval_batch_size_auto_is_64_rows_off_cuda_and_a_number_is_taken_as_it_is(tiny_llama):
+    from pflalign.settings.defaults import EVAL_ROWS_CPU
+
+    assert evaluate.decode_plan(tiny_llama.model, "auto") == (64, None) == (EVAL_ROWS_CPU, None)
+    assert evaluate.decode_plan(tiny_llama.model, 200) == (200, None)
+    memory = evaluate.auto_memory(tiny_llama.model.get_base_model().config, torch.bfloat16, 8 * 2**30)
+    assert memory.budget == 4 * 2**30 and memory.mask_per_entry == 2
+
+
+def _memory(cache_per_token, budget, prefill_per_token=0, mask_per_entry=0):
+    return evaluate.DecodeMemory(budget, cache_per_token, prefill_per_token, mask_per_entry)
+
+
+def test_groups_take_batch_size_prompts_or_as_many_as_half_the_memory_holds():
+    widths = [2, 3, 3, 5, 8, 8, 9, 30]
+    assert evaluate._groups(widths, 3, 4, None) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    # 1 byte a cached token: a group of n rows of width w holds n (w + 4); half of 40 bytes each
+    memory = _memory(1, 40)
+    groups = evaluate._groups(widths, 64, 4, memory)
+    # [0, 1, 2] would hold 3 x (3 + 4) = 21 > 20; [2, 3] 2 x 9 = 18; [7] alone 34 > 20, a group of its own
+    assert groups == [[0, 1], [2, 3], [4], [5], [6], [7]]
+    for g in groups[:-1]:
+        assert 2 * memory.group_bytes(len(g), max(widths[i] for i in g), 4) <= memory.budget
+    # the prefill's transient bytes count too: 1 a token, and 1 per mask entry (a row's width²)
+    assert evaluate._groups([2, 2, 2], 64, 0, _memory(0, 28, 1, 1)) == [[0, 1], [2]]  # n x 2 x (1 + 2): 12 <= 14 < 18
+
+
+def test_a_memory_bound_changes_the_groups_never_an_answer_and_holds_the_cache_it_allows(trained_lm):
+    """Under a `DecodeMemory` (eval.batch_size=auto on CUDA), the groups are as many prompts as fit
+    in half the budget and a group joins the running rows only when the cache of both fits: the
+    answers stay those of one prompt at a time, and no forward's cache exceeds the budget."""
+    lm = trained_lm
+    prompts = _prompts(lm)
+    per_token, _ = evaluate.kv_bytes_per_token(lm.model.get_base_model().config, torch.float32)
+    longest = max(map(len, prompts)) + 12
+    memory = _memory(per_token, 5 * longest * per_token)  # about five rows' worth of cache
+    one_at_a_time = _in_batches(_loop_ids, lm, prompts, 12, 1)
+    held = []
+    original = lm.model.forward
+
+    def counted(*args, **kwargs):
+        out = original(*args, **kwargs)
+        cache = evaluate._cache_of(out)
+        held.append(sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)))
+        return out
+
+    lm.model.forward = counted
+    try:
+        got = greedy_ids(lm.model, prompts, lm.tokenizer.pad_token_id, _eos_ids(lm.model, lm.tokenizer), 12, 64,
+                         memory=memory)
+    finally:
+        lm.model.forward = original
+    assert got == one_at_a_time
+    assert max(held) <= memory.budget and len(held) > 12  # bounded, and more than one group's steps
+    assert len(evaluate._groups(list(map(len, prompts)), 64, 12, memory)) > 1  # the bound cut the groups
+    texts = generate(lm.model, lm.tokenizer, prompts, 12, batch_size=1, progress=False)
+    assert generate(lm.model, lm.tokenizer, prompts, 12, batch_size="auto", progress=False) == texts

@@ -58,6 +58,17 @@ def test_batched_bill_by_hand(gpu):
     assert row["clients_minutes"] == pytest.approx((250 * 33 * 4 * tokens / 2000 + sam + eval_s) / 60)
     assert row["runs_minutes"] == pytest.approx((250 * 33 * 4 * tokens / 8000 + sam + eval_s) / 60)
     assert "error" in out["llama-3.2-1b flan"]  # no figures, no projection
+    assert row["eval_from"] == "speed.generate (64 rows)" and row["eval_minutes_by_mode"] == {}
+    # with one run's scoring measured: 33 runs and half a run (the base once) at each mode's seconds,
+    # scaled from SCORING_NEW_TOKENS (32) to 128 new tokens; the fastest mode in the totals
+    scored = {"one_at_a_time_rows64": {"seconds": 40.0}, "one_loop_rowsauto": {"seconds": 8.0},
+              "one_at_a_time_rowsauto": {"error": "skipped"}}
+    out = gpu.bill_batched({"smollm2-135m": {"dolly": rates}}, {}, {"smollm2-135m dolly": scored})
+    row = out["smollm2-135m dolly"]
+    assert row["eval_minutes_by_mode"] == {"one_at_a_time_rows64": pytest.approx(33.5 * 40 * 4 / 60),
+                                           "one_loop_rowsauto": pytest.approx(33.5 * 8 * 4 / 60)}
+    assert row["eval_from"] == "one_loop_rowsauto"
+    assert row["runs_minutes"] == pytest.approx((250 * 33 * 4 * tokens / 8000 + sam + 33.5 * 8 * 4) / 60)
 
 
 def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
@@ -98,13 +109,15 @@ def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
                 assert row["tokens_per_s"] > 0 and row["losses_finite"] and row["clients_per_pass"] == int(k)
             assert per["12"]["batch"] == 12 * 2 and per["12"]["over_one_adapter"] > 0
     assert report["bill_batched"]["smollm2-135m dolly"]["runs_minutes"] > 0
-    # scoring: K adapters one merged model after another and in one loop, at two batch sizes
-    per = report["scoring"][gpu.BATCHED_ARCHS[0]]
-    assert sorted(map(int, per)) == [1, 4]
-    for row in per.values():
-        for batch in (4, 16):
-            assert row[f"one_loop_rows{batch}"]["tokens_per_s"] > 0 and row[f"one_at_a_time_rows{batch}"]["seconds"] > 0
-            assert row[f"one_loop_over_one_at_a_time_rows{batch}"] > 0
+    # scoring: one run's jobs (4 clients' personalized and the global model over each client's
+    # prompts) one merged model after another and in one loop, at 64 and auto rows (64 on a CPU)
+    for case in ("smollm2-135m dolly", "llama-3.2-1b flan"):
+        row = report["scoring"][case]
+        assert "error" not in row, row
+        assert row["jobs"] == 8 and row["prompts"] == 8 * 3
+        for mode, rows in gpu.SCORING_MODES:
+            assert row[f"{mode}_rows{rows}"]["tokens_per_s"] > 0 and row[f"{mode}_rows{rows}"]["rows"] == 64
+    assert report["bill_batched"]["smollm2-135m dolly"]["eval_from"] in [f"{m}_rows{r}" for m, r in gpu.SCORING_MODES]
     anchor = report["hf_anchor"]
     assert len(anchor) == len(gpu.HF_SHAPES)
     for key, row in anchor.items():

@@ -136,6 +136,7 @@ def test_finished_runs_kept_elsewhere_count_as_finished(sweep_file, tmp_path, ca
     saved = json.loads((kept / ckpt.CONFIG).read_text())
     saved["data"]["dir"] = "/elsewhere/on/another/machine"  # the data path may differ there
     saved["device"] = "cuda"  # and so may the device it ran on
+    saved["eval"]["batch_size"] = "auto"  # with that device's decoding rows (change no prediction)
     (kept / ckpt.CONFIG).write_text(json.dumps(saved))
     runs = plan_sweep(str(sweep_file), tmp_path / "second", done=[tmp_path / "kept"])
     assert [r.state() for r in runs] == ["finished", "new", "new", "new"]

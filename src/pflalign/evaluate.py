@@ -114,6 +114,93 @@ def _shared_prefix(prompts: list[list[int]]) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class DecodeMemory:
+    """What one decoding loop may hold on its device beside the model (`eval.batch_size=auto` on
+    CUDA, `decode_plan`): `budget` bytes for the rows' KV cache and a prefill's transient tensors,
+    at `cache_per_token` bytes per cached token of a row (`kv_bytes_per_token`) and
+    `prefill_per_token` per token of a prefill, whose padded attention mask adds `mask_per_entry`
+    bytes per (row, query, key)."""
+
+    budget: int
+    cache_per_token: int
+    prefill_per_token: int
+    mask_per_entry: int
+
+    def cache_bytes(self, rows: int, width: int, max_new_tokens: int) -> int:
+        """The KV cache of `rows` rows of `width` tokens once each has generated `max_new_tokens`."""
+        return rows * (width + max_new_tokens) * self.cache_per_token
+
+    def group_bytes(self, rows: int, width: int, max_new_tokens: int) -> int:
+        """A group of `rows` prompts padded to `width` tokens: its cache to the end and its prefill."""
+        prefill = rows * width * (self.prefill_per_token + width * self.mask_per_entry)
+        return self.cache_bytes(rows, width, max_new_tokens) + prefill
+
+
+# eval.batch_size=auto: the rows one decoding loop holds. On this 2-core CPU 64 (a step of 64 rows
+# costs about twice a step of one: measured, EvalConfig's default). On CUDA a step is bound by its
+# kernel launches: LLaMA-3.2-1B's 128 greedy tokens took 6.4 s for 64 rows and 5.9-6.3 s for 128,
+# 200 and 256 on an H200 (benchmarks/results/gpu_eval_batch.json), so up to 1024 rows (not timed
+# beyond 256; benchmarks/gpu.py's scoring section measures it), within half the device's free memory.
+AUTO_ROWS = {"cpu": 64, "cuda": 1024}
+AUTO_MEMORY_SHARE = 0.5
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> tuple[int, int]:
+    """(KV-cache bytes per token of a row, transient bytes per prefilled token) of a decoder with
+    transformers' `config` whose activations are `dtype`: keys and values of every layer; one
+    layer's hidden states and MLP intermediates (no_grad frees each layer's before the next)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    intermediate = (getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
+                    or 4 * config.hidden_size)
+    size = torch.empty((), dtype=dtype).element_size()
+    return (2 * config.num_hidden_layers * kv_heads * head_dim * size,
+            (6 * config.hidden_size + 4 * intermediate) * size)
+
+
+def decode_plan(model, batch_size: int | str) -> tuple[int, DecodeMemory | None]:
+    """The rows of a decoding loop and the bound on its memory for `eval.batch_size`: a number as
+    it is (no bound); "auto" `AUTO_ROWS` of the model's device (64 elsewhere than CUDA), on CUDA
+    bounded by `AUTO_MEMORY_SHARE` of the free memory (`DecodeMemory`)."""
+    if batch_size != "auto":
+        return int(batch_size), None
+    param = next(model.parameters())
+    if param.device.type != "cuda":
+        return AUTO_ROWS["cpu"], None
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    free, _ = torch.cuda.mem_get_info(param.device)
+    # the activations' dtype is the base's (its embeddings'), whatever the adapters' is
+    return AUTO_ROWS["cuda"], auto_memory(inner.config, inner.get_input_embeddings().weight.dtype, free)
+
+
+def auto_memory(config, dtype: torch.dtype, free_bytes: int) -> DecodeMemory:
+    """The `DecodeMemory` of a decoder (transformers' `config`, activations in `dtype`) on a device
+    with `free_bytes` free: `AUTO_MEMORY_SHARE` of them."""
+    cache, prefill = kv_bytes_per_token(config, dtype)
+    return DecodeMemory(int(free_bytes * AUTO_MEMORY_SHARE), cache, prefill, torch.empty((), dtype=dtype).element_size())
+
+
+def _groups(widths: list[int], batch_size: int, max_new_tokens: int, memory: DecodeMemory | None) -> list[list[int]]:
+    """The prompts (indices, in order; `widths`: their lengths, the shared start included) cut into
+    the groups prefilled together: `batch_size` each, and under `memory` no more than fit in half
+    its budget (`DecodeMemory.group_bytes`; the other half for the rows still running when the group
+    joins them), a prompt that alone exceeds it in a group of its own."""
+    groups: list[list[int]] = []
+    width = 0
+    for i, w in enumerate(widths):
+        wider = max(width, w)
+        if (groups and len(groups[-1]) < batch_size
+                and (memory is None or 2 * memory.group_bytes(len(groups[-1]) + 1, wider, max_new_tokens) <= memory.budget)):
+            groups[-1].append(i)
+            width = wider
+        else:
+            groups.append([i])
+            width = w
+    return groups
+
+
 @dataclass
 class RowAdapters:
     """Each prompt's own adapter, in decoding loops whose batches mix adapters (no merging): prompt
@@ -128,7 +215,7 @@ class RowAdapters:
 @torch.no_grad()
 def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max_new_tokens: int,
                batch_size: int, refill_at: int | None = None, on_done=lambda n: None,
-               per_row: RowAdapters | None = None) -> list[list[int]]:
+               per_row: RowAdapters | None = None, memory: DecodeMemory | None = None) -> list[list[int]]:
     """The token ids `model.generate` picks greedily for each prompt, EOS included.
 
     Prompts are prefilled `batch_size` at a time, in the given order, left-padded. Unlike
@@ -146,6 +233,9 @@ def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max
     adapters in one forward; the shared start is then prefilled once per adapter (its keys and
     values depend on the adapter) and each row continues from its adapter's copy. None: the
     model as it is, for every prompt.
+    `memory`: a bound on what the loop holds (`DecodeMemory`): groups of at most half its budget,
+    and a group joins the running rows only when their cache and its prefill fit in it together
+    (else the running rows decode on until they do). None: `batch_size` rows, whatever they hold.
     """
     refill_at = batch_size // 2 if refill_at is None else refill_at
     owner = (lambda i: 0) if per_row is None else per_row.of.__getitem__
@@ -157,7 +247,7 @@ def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max
             return model(**inputs)
 
     stop = set(eos)
-    groups = [list(range(s, min(s + batch_size, len(prompts)))) for s in range(0, len(prompts), batch_size)]
+    groups = _groups(list(map(len, prompts)), batch_size, max_new_tokens, memory)
     answers: list[list[int]] = [[] for _ in prompts]
     device = next(model.parameters()).device
     cache_arg = _cache_arg(model)
@@ -182,9 +272,22 @@ def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max
         prefix_row = {j: r for r, j in enumerate(sorted({owner(i) for i in range(len(prompts))}))}
         prefix_cache = _cache_of(forward(list(prefix_row), use_cache=True, logits_to_keep=1,
                                          input_ids=torch.tensor([prompts[0][:prefix]] * len(prefix_row), device=device)))
+    def joins(group: list[int]) -> bool:
+        """Whether `group` is prefilled now: no rows running, or few enough (`refill_at`) that
+        their cache fits beside the group's (under `memory`) to the end of their answers."""
+        if running is None:
+            return True
+        if len(running.prompts) > refill_at:
+            return False
+        if memory is None:
+            return True
+        width = max(running.width(), max(len(prompts[i]) for i in group))
+        return (memory.cache_bytes(len(running.prompts), width, max_new_tokens)
+                + memory.group_bytes(len(group), width, max_new_tokens)) <= memory.budget
+
     running: _Rows | None = None
     while groups or running is not None:
-        while groups and (running is None or len(running.prompts) <= refill_at):
+        while groups and joins(groups[0]):
             group = groups.pop(0)
             tails = [prompts[i][prefix:] for i in group]
             width = max(map(len, tails))
@@ -222,25 +325,31 @@ def greedy_ids(model, prompts: list[list[int]], pad_id: int, eos: list[int], max
     return answers
 
 
-def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
+def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int | str,
              desc: str = "generate", progress: bool = True, per_row: RowAdapters | None = None) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded without special tokens.
+
+    `batch_size`: the rows prefilled together, or "auto" (`decode_plan`: 64 on a CPU; on CUDA up to
+    1024 within half the free memory).
 
     Prompts are grouped by length (less padding) and decoded with the model's KV cache
     by `greedy_ids`: rows leave as they end, the next group joins when few are left.
     `per_row`: each prompt with its own adapter (`RowAdapters`); the rows of each group (the
-    `batch_size` prompts `greedy_ids` prefills together) are then ordered by adapter, so that a
+    prompts `greedy_ids` prefills together) are then ordered by adapter, so that a
     forward computes one run per adapter, not one per change of adapter (the group's padding is
     its longest prompt's, whatever the order).
     """
+    batch_size, memory = decode_plan(model, batch_size)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     if per_row is not None:
-        order = [i for s in range(0, len(order), batch_size)
-                 for i in sorted(order[s:s + batch_size], key=per_row.of.__getitem__)]
+        # each group's rows by adapter; `greedy_ids` cuts the reordered prompts into the same groups
+        # (a group's members and widest prompt unchanged, so every cut `_groups` checks is too)
+        groups = _groups([len(prompts[i]) for i in order], batch_size, max_new_tokens, memory)
+        order = [i for g in groups for i in sorted((order[j] for j in g), key=per_row.of.__getitem__)]
     bar = tqdm(total=len(prompts), desc=desc, leave=False, disable=not progress, unit="ex")
     sorted_rows = None if per_row is None else RowAdapters([per_row.of[i] for i in order], per_row.route)
     answers = greedy_ids(model, [prompts[i] for i in order], tokenizer.pad_token_id, _eos_ids(model, tokenizer),
-                         max_new_tokens, batch_size, on_done=bar.update, per_row=sorted_rows)
+                         max_new_tokens, batch_size, on_done=bar.update, per_row=sorted_rows, memory=memory)
     bar.close()
     outputs: list[str] = [""] * len(prompts)
     for i, answer in zip(order, answers):

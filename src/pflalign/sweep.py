@@ -360,8 +360,9 @@ def _check_same_config(run: PlannedRun) -> None:
     wanted = flat(json.loads(json.dumps(to_dict(run.cfg))))
     if run.done is not None:  # a copy made on another machine: the same data may lie elsewhere there,
         # and it may have run on another device (a GPU's float32 differs from a CPU's in the last bits,
-        # as two CPU kinds' do); the dtype, which changes results beyond that, is still compared
-        for key in ("data.dir", "device"):
+        # as two CPU kinds' do) with that device's decoding rows (eval.batch_size: 64 on a CPU, auto on
+        # CUDA; rows change no prediction); the dtype, which changes results beyond that, is still compared
+        for key in ("data.dir", "device", "eval.batch_size"):
             saved.pop(key, None), wanted.pop(key, None)
     diffs = [f"{k}: {saved.get(k)!r} there, {wanted.get(k)!r} now"
              for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]

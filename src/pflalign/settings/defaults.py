@@ -43,10 +43,13 @@ def default_lr(cfg: RunConfig) -> float:
     return SGD_LR
 
 
+EVAL_ROWS_CPU = 64  # eval.batch_size on device=cpu (evaluate.AUTO_ROWS["cpu"], which a test keeps equal)
+
+
 def resolve_defaults(cfg: RunConfig) -> None:
-    """Fill the keys the config left unset, in place: lr (`default_lr`) and, under "library"
-    defaults, a pFLAlign method's β (`PFLALIGN_BETA`, written into method_args so that config.json
-    records it)."""
+    """Fill the keys the config left unset, in place: lr (`default_lr`), eval.batch_size (64 on
+    device=cpu, else auto: `evaluate.decode_plan`) and, under "library" defaults, a pFLAlign
+    method's β (`PFLALIGN_BETA`, written into method_args so that config.json records it)."""
     if cfg.defaults not in DEFAULTS:
         raise UserError(f"defaults must be one of {', '.join(DEFAULTS)}, got {cfg.defaults!r}")
     check_method_name(cfg.method)
@@ -54,3 +57,5 @@ def resolve_defaults(cfg: RunConfig) -> None:
         cfg.method_args["beta"] = PFLALIGN_BETA
     if cfg.lr is None:
         cfg.lr = default_lr(cfg)
+    if cfg.eval.batch_size is None:  # a number on the CPU, so that a CPU run's config.json is what it was
+        cfg.eval.batch_size = EVAL_ROWS_CPU if cfg.device == "cpu" else "auto"

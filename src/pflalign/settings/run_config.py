@@ -59,7 +59,10 @@ class DataConfig:
 @dataclass
 class EvalConfig:
     max_new_tokens: int = 128
-    batch_size: int = 64  # on CPU, decoding 64 rows costs ~2x one row per token (measured)
+    # rows decoded together, or auto (evaluate.decode_plan: 64 on CPU, on CUDA up to 1024 within half the
+    # free memory); unset: 64 on device=cpu (where decoding 64 rows costs ~2x one row per token, measured),
+    # auto on cuda or auto (settings.defaults.resolve_defaults writes which into config.json)
+    batch_size: int | str | None = None
     base_model: bool = True  # also score the untrained base model
     every: int = 0  # also score every N rounds (ROUGE-L curves); 0: only at the end
     every_max_test: int | None = 20  # test examples per client for those per-round scores; None: all
