@@ -28,6 +28,8 @@ Sections, each wrapped so that one failing records its error in the JSON and the
 * ``batched``: clients in lockstep (issue 55): SmolLM2-135M and LLaMA-3.2-1B with 1, 4, 12 and
   44 adapters, FLAN-shaped (4 x 256) and Dolly-shaped (4 x 1024) minibatches each: tokens/s, share
   of the peak, peak memory, adapters per pass, gain over one adapter (`batched`).
+* ``updates``: a client's work per local step outside the pass, pFLAlign's update and the GSNR
+  sums, tensor by tensor against once over flat buffers: ms and operations dispatched (`updates`).
 * ``scoring``: one run's final scoring at the protocol's test splits (SmolLM2-135M on Dolly,
   LLaMA-3.2-1B on FLAN): one merged model after another at 64 rows and at ``auto`` rows, and
   every model in one loop with per-row adapters at ``auto`` (`scoring`).
@@ -734,6 +736,82 @@ def batched(device: str, tiny: bool, peak: dict | None, archs=BATCHED_ARCHS) -> 
     return for_each_arch(archs, device, one)
 
 
+UPDATE_REPEATS = 20  # timed local steps per mode (after 3 untimed)
+
+
+class _CountOps:
+    """Counts the aten operations dispatched inside it (each is one or more kernels on CUDA)."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        self.ops, self.mode = 0, Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def updates(device: str, tiny: bool, archs=BATCHED_ARCHS) -> dict:
+    """A client's work per local step outside the pass (issue 55): pFLAlign's update (Algorithm 1,
+    with its measurements) and the engine's GSNR sums (`GradientStats.add`, every method's), over an
+    adapter of the architecture (LoRA r16 on every linear layer), tensor by tensor against once over
+    the flat buffers the tensors are views of (`params.aligned`, on CUDA since 2026-11-28): ms a
+    step and aten operations dispatched (each one kernel launch or more on a GPU)."""
+    from pflalign import params as P
+    from pflalign.config import build_config, make_method
+    from pflalign.methods.base import StepContext
+    from pflalign.run.client import GradientStats
+
+    kind = torch.device(device).type
+    repeats = 2 if tiny else UPDATE_REPEATS
+
+    def one(name: str) -> dict:
+        lm, _ = build_arch(name, device, tiny)
+        like = {n: p.detach() for n, p in lm.lora.items()}
+        del lm
+        gen = torch.Generator().manual_seed(0)
+        grads = P.clone({n: torch.randn(t.shape, generator=gen).to(t.device) * 1e-3 for n, t in like.items()})
+        method = make_method(build_config(None, {"method": "pflalign", "model": "tiny-llama"}))
+        state, scratch = method.init_client_state(like), method.new_scratch()
+        live = P.clone(method.client_start(like, state, {}, scratch))
+        ctx = StepContext(round=0, step=0, num_steps=LOCAL_STEPS, lr=0.04, global_params=like, scratch=scratch)
+        stats = GradientStats()
+        work = {"pflalign_step": lambda: method.local_step(live, lambda: (0.0, grads), state, ctx),
+                "gsnr_sums": lambda: stats.add(grads)}
+        row = {"tensors": len(like), "parameters": sum(t.numel() for t in like.values())}
+        saved = P.FLAT_DEVICES
+        try:
+            for mode, flat in (("tensor_by_tensor", set()), ("flat", {kind})):
+                P.FLAT_DEVICES = flat
+                for what, fn in work.items():
+                    for _ in range(3):
+                        fn()
+                    with _CountOps() as count:
+                        fn()
+                    sync(device)
+                    tic = time.perf_counter()
+                    for _ in range(repeats):
+                        fn()
+                    sync(device)
+                    row[f"{what}_{mode}"] = {"ms": 1e3 * (time.perf_counter() - tic) / repeats, "ops": count.ops}
+        finally:
+            P.FLAT_DEVICES = saved
+        for what in work:
+            row[f"{what}_tensor_by_tensor_over_flat"] = row[f"{what}_tensor_by_tensor"]["ms"] / row[f"{what}_flat"]["ms"]
+        return row
+
+    return for_each_arch(archs, device, one)
+
+
 # One run's final scoring at the protocol's test splits (`scoring`): the architecture and the
 # dataset whose Table 1 targets issue 55 sets, each decoding mode (how the models take turns, rows)
 SCORING_CASES = (("smollm2-135m", "dolly"), ("llama-3.2-1b", "flan"))
@@ -837,7 +915,8 @@ def scoring(device: str, tiny: bool, cases=SCORING_CASES) -> dict:
     return {**out, **for_each_arch([f"{n} {d}" for n, d in cases], device, one)}
 
 
-def bill_batched(batched_rows: dict, speed_rows: dict, scoring_rows: dict | None = None) -> dict:
+def bill_batched(batched_rows: dict, speed_rows: dict, scoring_rows: dict | None = None,
+                 updates_rows: dict | None = None) -> dict:
     """Projected device time of a 33-run Table 1 trained in lockstep, from the ``batched`` figures.
 
     ``clients`` (what --batch clients does today): each run's 4 clients share a pass, the runs one
@@ -849,7 +928,10 @@ def bill_batched(batched_rows: dict, speed_rows: dict, scoring_rows: dict | None
     its SCORING_NEW_TOKENS to EVAL_NEW_TOKENS (prefills too: an upper bound), for each mode
     (``eval_minutes_by_mode``) and the fastest in the totals; else 2 models per run plus the base
     once at the ``speed`` section's generation rate (64 rows; EVAL_NEW_TOKENS each: an upper
-    bound). Model building, data and checkpoints are left out.
+    bound). Where the ``updates`` section measured the architecture, each client step's work outside
+    the pass is added (``updates_minutes``, flat as on CUDA): the GSNR sums in every run, pFLAlign's
+    update in its 3 runs (the other methods' SGD step is in the ``batched`` rates). Model building,
+    data, aggregation and checkpoints are left out.
     Targets: the Dolly Table 1 at SmolLM2-135M <= 12 minutes, LLaMA-3.2-1B's FLAN one <= 1 hour."""
     out = {"doc": bill_batched.__doc__}
     steps = ROUNDS * LOCAL_STEPS
@@ -875,11 +957,16 @@ def bill_batched(batched_rows: dict, speed_rows: dict, scoring_rows: dict | None
         else:
             eval_from = "speed.generate (64 rows)"
             eval_s = (2 * TABLE1_RUNS + 1) * TEST_PROMPTS[dataset] * EVAL_NEW_TOKENS / generate
-        clients_s = steps * TABLE1_RUNS * CLIENTS * tokens / rates[CLIENTS] + sam_s
-        runs_s = steps * TABLE1_RUNS * CLIENTS * tokens / rates[widest] + sam_s
+        work = (updates_rows or {}).get(name, {})
+        updates_s = 0.0
+        if "gsnr_sums_flat" in work and "pflalign_step_flat" in work:
+            updates_s = steps * CLIENTS * (TABLE1_RUNS * work["gsnr_sums_flat"]["ms"]
+                                           + 3 * work["pflalign_step_flat"]["ms"]) / 1e3
+        clients_s = steps * TABLE1_RUNS * CLIENTS * tokens / rates[CLIENTS] + sam_s + updates_s
+        runs_s = steps * TABLE1_RUNS * CLIENTS * tokens / rates[widest] + sam_s + updates_s
         out[f"{name} {dataset}"] = {
             "adapters_per_pass_measured": widest, "eval_minutes": eval_s / 60, "eval_from": eval_from,
-            "eval_minutes_by_mode": {key: v / 60 for key, v in by_mode.items()},
+            "eval_minutes_by_mode": {key: v / 60 for key, v in by_mode.items()}, "updates_minutes": updates_s / 60,
             "clients_minutes": (clients_s + eval_s) / 60, "runs_minutes": (runs_s + eval_s) / 60}
     return out
 
@@ -928,7 +1015,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (tiny shapes, the test)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu.json"))
-    parser.add_argument("--sections", default="matmul_peak,correctness,speed,hf_anchor,batched,scoring,bill")
+    parser.add_argument("--sections", default="matmul_peak,correctness,speed,hf_anchor,batched,updates,scoring,bill")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--batched-archs", default=",".join(BATCHED_ARCHS),
                         help="the architectures of the batched section (a short call: smollm2-135m)")
@@ -990,6 +1077,9 @@ def main(argv=None) -> int:
     if "batched" in sections:
         section(report, "batched", batched, device, tiny, report.get("matmul_peak"), args.batched_archs.split(","))
         save()
+    if "updates" in sections:
+        section(report, "updates", updates, device, tiny)
+        save()
     if "scoring" in sections:
         section(report, "scoring", scoring, device, tiny)
         save()
@@ -997,7 +1087,7 @@ def main(argv=None) -> int:
         section(report, "bill", bill, report.get("speed", {}))
         if "batched" in report:
             section(report, "bill_batched", bill_batched, report["batched"], report.get("speed", {}),
-                    report.get("scoring"))
+                    report.get("scoring"), report.get("updates"))
     save()
     log(f"wrote {args.out} in {report['total_seconds']} s")
     return 0

@@ -69,6 +69,13 @@ def test_batched_bill_by_hand(gpu):
                                            "one_loop_rowsauto": pytest.approx(33.5 * 8 * 4 / 60)}
     assert row["eval_from"] == "one_loop_rowsauto"
     assert row["runs_minutes"] == pytest.approx((250 * 33 * 4 * tokens / 8000 + sam + 33.5 * 8 * 4) / 60)
+    # with the updates measured: every client step's GSNR sums in 33 runs, pFLAlign's update in 3
+    work = {"gsnr_sums_flat": {"ms": 2.0}, "pflalign_step_flat": {"ms": 5.0}}
+    out = gpu.bill_batched({"smollm2-135m": {"dolly": rates}}, {}, {"smollm2-135m dolly": scored},
+                           {"smollm2-135m": work})
+    updates = 250 * 4 * (33 * 2.0 + 3 * 5.0) / 1e3
+    assert out["smollm2-135m dolly"]["updates_minutes"] == pytest.approx(updates / 60)
+    assert out["smollm2-135m dolly"]["runs_minutes"] == pytest.approx(row["runs_minutes"] + updates / 60)
 
 
 def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
@@ -109,6 +116,13 @@ def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
                 assert row["tokens_per_s"] > 0 and row["losses_finite"] and row["clients_per_pass"] == int(k)
             assert per["12"]["batch"] == 12 * 2 and per["12"]["over_one_adapter"] > 0
     assert report["bill_batched"]["smollm2-135m dolly"]["runs_minutes"] > 0
+    # updates: the same work tensor by tensor and over flat buffers, far fewer operations flat
+    for name in gpu.BATCHED_ARCHS:
+        row = report["updates"][name]
+        assert "error" not in row, row
+        for what in ("pflalign_step", "gsnr_sums"):
+            assert row[f"{what}_flat"]["ops"] < row[f"{what}_tensor_by_tensor"]["ops"] / 2
+            assert row[f"{what}_flat"]["ms"] > 0 and row[f"{what}_tensor_by_tensor_over_flat"] > 0
     # scoring: one run's jobs (4 clients' personalized and the global model over each client's
     # prompts) one merged model after another and in one loop, at 64 and auto rows (64 on a CPU)
     for case in ("smollm2-135m dolly", "llama-3.2-1b flan"):

@@ -358,3 +358,58 @@ def test_auto_on_cuda_trains_in_lockstep_and_scores_one_model_at_a_time(tmp_path
     assert used == {"lockstep": cfg.rounds, "one_loop": 0} and results["batch"] == "clients"
     run(cfg, tmp_path / "clients", progress=False, batch="clients")
     assert used["lockstep"] == 2 * cfg.rounds and used["one_loop"] == 1
+
+
+# ---- flat updates (params.aligned): CUDA's one operation over a flat buffer per update ---------
+def test_aligned_gives_the_flat_buffers_only_of_consecutive_views_on_a_flat_device(monkeypatch):
+    from pflalign import params as P
+
+    like = {"a": torch.ones(2, 3), "b": torch.ones(4)}
+    flat, other = P.zeros_like(like), P.zeros_like(like)
+    apart = {n: torch.zeros_like(t) for n, t in like.items()}  # separately allocated
+    reordered = {"b": flat["b"], "a": flat["a"]}
+    assert P.flat_buffer(flat).shape == (10,) and P.flat_buffer(apart) is None and P.flat_buffer(reordered) is None
+    assert P.flat_buffers(flat, other) is None  # the CPU updates tensor by tensor
+    assert [tuple(t.shape) for t in P.aligned(flat, other)[1]] == [(4,), (4,)]
+    monkeypatch.setattr(P, "FLAT_DEVICES", {"cpu", "cuda"})
+    one, two = P.flat_buffers(flat, other)
+    one.add_(1.0)  # a view: the dict's tensors see it
+    assert bool((flat["a"] == 1).all() and (flat["b"] == 1).all()) and bool((two == 0).all())
+    assert P.flat_buffers(flat, {"a": other["a"]}) is None
+    for bad in ((flat, apart), (flat, reordered)):
+        assert P.flat_buffers(*bad) is None and len(P.aligned(*bad)) == len(bad[0])
+
+
+@pytest.mark.parametrize("method", ["pflalign", "fedavg", "ffa-lora"])
+def test_flat_updates_train_exactly_what_tensor_by_tensor_updates_train(tmp_path, method, monkeypatch):
+    """Where updates run over flat buffers (CUDA: params.FLAT_DEVICES, forced here on the CPU), a
+    lockstep run's losses, adapters and method states are those of the tensor-by-tensor run bit for
+    bit (the same arithmetic, coordinate by coordinate); its measurements (GSNR, norms, pFLAlign's
+    step ratio) are sums in another order, equal within 1e-12. pFLAlign's step really ran once over
+    the flat buffers; FFA-LoRA's GSNR (A left out) takes the tensor-by-tensor path."""
+    from pflalign import params as P
+    from pflalign.methods import pflalign as pflalign_module
+
+    run(tiny(method), tmp_path / "tensors", progress=False, batch="clients")
+    monkeypatch.setattr(P, "FLAT_DEVICES", {"cpu", "cuda"})
+    sizes = []
+    step = pflalign_module.pflalign_step_
+    monkeypatch.setattr(pflalign_module, "pflalign_step_", lambda w, *a, **k: sizes.append(w.shape) or step(w, *a, **k))
+    run(tiny(method), tmp_path / "flat", progress=False, batch="clients")
+    assert train_steps(tmp_path / "flat") == train_steps(tmp_path / "tensors")  # losses bit for bit
+    a, b = (ckpt.load_checkpoint(tmp_path / name / ckpt.CHECKPOINT) for name in ("tensors", "flat"))
+    assert all(torch.equal(a["global"][n], b["global"][n]) for n in a["global"])
+    cfg = tiny(method)
+    fresh = lambda: make_method(cfg).init_client_state(a["global"])  # noqa: E731
+    for ca, cb in zip(client_records(tmp_path / "tensors", a, fresh), client_records(tmp_path / "flat", b, fresh)):
+        assert all(torch.equal(ca["personalized"][n], cb["personalized"][n]) for n in ca["personalized"])
+        for group in ca["state"]:
+            assert all(torch.equal(ca["state"][group][n], cb["state"][group][n]) for n in ca["state"][group])
+    rows = lambda name: [json.loads(l) for l in (tmp_path / name / ckpt.METRICS).read_text().splitlines()  # noqa: E731
+                         if json.loads(l)["event"] == "client_round"]
+    for ra, rb in zip(rows("tensors"), rows("flat"), strict=True):
+        for key, value in ra.items():
+            if isinstance(value, float) and key != "seconds":
+                assert rb[key] == pytest.approx(value, rel=1e-12, abs=1e-300), key
+    total = sum(t.numel() for t in a["global"].values())
+    assert (method == "pflalign") == bool(sizes) and all(s == (total,) for s in sizes)

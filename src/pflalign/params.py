@@ -36,6 +36,55 @@ def empty_like(params: Params, dtype: torch.dtype | None = None) -> Params:
     return views
 
 
+# Where an adapter-sized update runs as one operation over its flat buffer instead of one per tensor:
+# CUDA, where each operation is a kernel launch (pFLAlign's step is ~42 operations on each of
+# SmolLM2's 420 LoRA tensors, ~17.6k launches a client step). The CPU keeps tensor by tensor: a small
+# tensor stays in cache through all its operations, and a flat pass was no faster there (46-120 ms
+# against 45 ms a pFLAlign step, benchmarks/README.md).
+FLAT_DEVICES = {"cuda"}
+
+
+def flat_buffer(params: Params) -> torch.Tensor | None:
+    """The 1-D tensor whose consecutive pieces are `params`' tensors, in order (as `empty_like`
+    makes them), detached; None when they are not such views (separately allocated tensors)."""
+    tensors = list(params.values())
+    if not tensors:
+        return None
+    first = tensors[0]
+    start = offset = first.storage_offset()
+    where = first.untyped_storage().data_ptr()
+    for t in tensors:  # no operation per tensor (these are its metadata): a step pays for the flat view only
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.untyped_storage().data_ptr() != where
+                or t.storage_offset() != offset):
+            return None
+        offset += t.numel()
+    return first.detach().as_strided((offset - start,), (1,), start)
+
+
+def flat_buffers(*dicts: Params) -> list[torch.Tensor] | None:
+    """Each dict's `flat_buffer`, when every one has one, the dicts hold the same names in the same
+    order with the same shapes (so that their flat buffers align coordinate by coordinate) and they
+    lie on a device of `FLAT_DEVICES`; else None (update tensor by tensor)."""
+    first = dicts[0]
+    if not first or next(iter(first.values())).device.type not in FLAT_DEVICES:
+        return None
+    names = list(first)
+    if any(list(d) != names or any(d[n].shape != first[n].shape for n in names) for d in dicts[1:]):
+        return None
+    flats = [flat_buffer(d) for d in dicts]
+    return None if any(f is None for f in flats) else flats
+
+
+def aligned(*dicts: Params) -> list[tuple[torch.Tensor, ...]]:
+    """The dicts' tensors as pieces to update one after another, each a tuple of one tensor per
+    dict, coordinate by coordinate aligned: their flat buffers as the one piece where `flat_buffers`
+    gives them (CUDA), else a piece per name of the first dict."""
+    flats = flat_buffers(*dicts)
+    if flats is not None:
+        return [tuple(flats)]
+    return [tuple(d[n] for d in dicts) for n in dicts[0]]
+
+
 def clone(params: Params) -> Params:
     out = empty_like(params)
     for n, t in params.items():

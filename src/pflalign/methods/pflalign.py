@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import GradFn, Message, Params, Scratch, State, StepContext, clone, zeros_like
+from .base import GradFn, Message, Params, Scratch, State, StepContext, aligned, clone, zeros_like
 from .fedavg import FedAvg
 
 GAMMA_RULES = ("erf", "zero", "const", "hard")
@@ -205,15 +205,16 @@ class PFLAlign(FedAvg):  # FedAvg's server rule, its own client rule
         m, v, P, delta = ctx.scratch["m"], state["v"], state["P"], state["delta"]
         stats = ctx.scratch.get("round_stats")
         sums = torch.zeros(3, dtype=torch.float64, device=first.device)  # ‖g‖², ‖P⊙g‖², ‖γ⊙Δ‖² of this step
-        # tensor by tensor (flat multi-tensor ops would stream every tensor through memory once per operation)
-        for n, w in params.items():
-            g = grads[n]
-            gamma = pflalign_step_(w, g, m[n], v[n], P[n], delta[n], lr=ctx.lr, beta=args.beta, eps=args.eps,
+        # tensor by tensor on the CPU (a small tensor stays in cache through its ~27 operations); where each
+        # operation is a kernel launch (CUDA), once over the flat buffers the tensors are views of
+        # (params.aligned): the same arithmetic coordinate by coordinate, 420x fewer launches at SmolLM2
+        for w, g, m_n, v_n, P_n, delta_n in aligned(params, grads, m, v, P, delta):
+            gamma = pflalign_step_(w, g, m_n, v_n, P_n, delta_n, lr=ctx.lr, beta=args.beta, eps=args.eps,
                                    num_steps=ctx.num_steps, precondition=args.precondition, gamma=args.gamma,
                                    personal_init=args.personal_init, one=one)
             if stats is not None:  # measurements only: the update above is done
-                step = P[n] * g if args.precondition else g
-                correction = gamma * delta[n] if gamma is not None else None
+                step = P_n * g if args.precondition else g
+                correction = gamma * delta_n if gamma is not None else None
                 sums += torch.stack([_square_sum(g), _square_sum(step),
                                      _square_sum(correction) if correction is not None else sums.new_zeros(())])
                 if gamma is not None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
-from ..params import Params, clone
+from ..params import Params, clone, zeros_like
 from ..prompts import IGNORE
 from ..settings import LoraSettings
 from . import multi_lora
@@ -200,11 +200,7 @@ class FederatedLM:
         allocated anew in each backward, between the first row's activations,
         they would break the heap into pieces that a longer row cannot reuse.
         """
-        for p in self.lora.values():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            else:
-                p.grad.zero_()
+        _zero_grads(self.lora)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         if unpadded is None:
             unpadded = self.device.type == "cpu"
@@ -286,15 +282,7 @@ class FederatedLM:
         Σ_j (client j's summed token losses / its response tokens), whose gradient in client j's
         adapter is that of its own mean loss: its gradient alone (tested)."""
         slot = multi_lora.install(self.model, set(self.lora))
-        held = []
-        for adapter in adapters:
-            for p in adapter.values():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                else:
-                    held.append(p.grad)
-        if held:
-            torch._foreach_zero_(held)  # every client's buffers in a few launches, not one per tensor
+        _zero_grads(*adapters)
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
         counts = [int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches]
         width = max(b["input_ids"].shape[1] for b in batches)
@@ -334,6 +322,21 @@ class FederatedLM:
         sum(share for _, share in shares).backward()
         for j, share in shares:
             values[j] += share.item()
+
+
+def _zero_grads(*adapters: Params) -> None:
+    """Each adapter's ``.grad`` buffers zeroed, in few launches (one `_foreach_zero_` for all);
+    an adapter without them gets them as views of one flat zeroed buffer (params.empty_like), so
+    that a step can update its tensors as one (params.flat_buffers)."""
+    held = []
+    for adapter in adapters:
+        if any(p.grad is None for p in adapter.values()):
+            for p, g in zip(adapter.values(), zeros_like({n: p.detach() for n, p in adapter.items()}).values()):
+                p.grad = g
+        else:
+            held.extend(p.grad for p in adapter.values())
+    if held:
+        torch._foreach_zero_(held)
 
 
 def pack_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:

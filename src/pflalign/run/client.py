@@ -21,7 +21,7 @@ import torch
 from ..model.base_cache import base_generations
 from ..errors import TrainingDiverged, UserError
 from ..evaluate import generate, rouge_l
-from ..methods.base import Message, Method, Params, State, StepContext, zeros_like
+from ..methods.base import Message, Method, Params, State, StepContext, aligned, zeros_like
 from ..optim import make_optimizer, round_lr
 from ..data.clients import ClientShare
 from ..prompts import IGNORE, Encoded, batch_indices, collate_train, encode_prompt, encode_train
@@ -38,10 +38,11 @@ class GradientStats:
     ``gsnr_ratio`` — ‖mean g‖² / Σ_i var(g_i) over all coordinates.
     Both are None with fewer than two steps (no variance).
 
-    Tensor by tensor on purpose: a LoRA tensor stays in cache through the few
+    Tensor by tensor on the CPU on purpose: a LoRA tensor stays in cache through the few
     operations of an update (faster than one concatenated vector, where every
-    operation streams all coordinates through memory). The summary syncs
-    once, not per tensor.
+    operation streams all coordinates through memory); on CUDA, where each operation is a
+    kernel launch, once over the flat buffers (`params.aligned`; the summary's sums then
+    round differently in their last bits). The summary syncs once, not per tensor.
     """
 
     def __init__(self):
@@ -54,20 +55,19 @@ class GradientStats:
         self.count += 1
         if not self.mean:  # one flat buffer each (params.empty_like says why)
             self.mean, self.m2 = zeros_like(grads, torch.float64), zeros_like(grads, torch.float64)
-        for n, g in grads.items():
+        for g, mean, m2 in aligned(grads, self.mean, self.m2):  # tensor by tensor, or flat on CUDA
             g = g.detach()
-            mean = self.mean[n]
             delta = g - mean  # float64 by type promotion
             mean.add_(delta, alpha=1.0 / self.count)
-            self.m2[n].addcmul_(delta, g - mean)
+            m2.addcmul_(delta, g - mean)
 
     def summary(self) -> tuple[float | None, float | None]:
         if self.count < 2:
             return None, None
         # Σ GSNR_i over kept coordinates, their number, ‖mean‖², Σ var
         totals = torch.zeros(4, dtype=torch.float64, device=next(iter(self.mean.values())).device)
-        for n, mean in self.mean.items():
-            var = self.m2[n] / (self.count - 1)
+        for mean, m2 in aligned(self.mean, self.m2):
+            var = m2 / (self.count - 1)
             square = mean * mean
             kept = var > 0
             totals += torch.stack([torch.where(kept, square / var, 0.0).sum(), kept.sum(), square.sum(), var.sum()])
@@ -80,8 +80,8 @@ class GradientStats:
 def distance(a: Params, b: Params | None = None) -> float:
     """‖a − b‖ (or ‖a‖) over all tensors together."""
     total = 0.0
-    for n, t in a.items():
-        d = t.detach().double() if b is None else t.detach().double() - b[n].double()
+    for t, *other in aligned(a) if b is None else aligned(a, b):  # tensor by tensor, or flat on CUDA
+        d = t.detach().double() if b is None else t.detach().double() - other[0].double()
         total += float((d * d).sum())
     return math.sqrt(total)
 

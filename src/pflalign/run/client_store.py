@@ -30,7 +30,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,9 +76,11 @@ def encode(state: dict, personalized: Params | None) -> bytes:
     return save_bytes(tensors, metadata=meta)
 
 
-def decode(data: bytes, device: torch.device | str = "cpu") -> tuple[dict, Params | None]:
+def decode(data: bytes, device: torch.device | str = "cpu", order: Iterable[str] = ()) -> tuple[dict, Params | None]:
     """The inverse of `encode`: (state, personalized), each group one flat buffer on `device`
-    (params.empty_like says why one buffer)."""
+    (params.empty_like says why one buffer). A group of the names in `order` (the adapter's) holds
+    them in that order, so that its flat buffer lines up with the adapter's (params.aligned);
+    the file keeps them sorted by name."""
     header_len = int.from_bytes(data[:8], "little")
     meta = json.loads(data[8:8 + header_len]).get("__metadata__", {})
     flat = load_bytes(data)
@@ -92,8 +94,11 @@ def decode(data: bytes, device: torch.device | str = "cpu") -> tuple[dict, Param
         else:
             personalized[rest] = t
 
+    order = list(order)
+
     def onto(params: dict) -> Params:
-        return clone({n: t.to(device) for n, t in params.items()})
+        names = order if params.keys() == set(order) else list(params)
+        return clone({n: params[n].to(device) for n in names})
 
     return {g: onto(p) for g, p in groups.items()}, (None if personalized is None else onto(personalized))
 
@@ -116,8 +121,9 @@ class ClientStore:
         return len(self.records)
 
     # ---- one client -----------------------------------------------------------------
-    def load(self, k: int, device) -> tuple[dict, Params | None] | None:
-        """Client k's (state, personalized) from its newest file; None before its first round."""
+    def load(self, k: int, device, order: Iterable[str] = ()) -> tuple[dict, Params | None] | None:
+        """Client k's (state, personalized) from its newest file (`decode`: its groups of the
+        adapter's names in `order`); None before its first round."""
         rec = self.records[k]
         if rec.file is None:
             return None
@@ -130,7 +136,7 @@ class ClientStore:
         if hashlib.sha256(data).hexdigest() != rec.sha256:
             raise UserError(f"{path} does not match its checksum in the checkpoint (client {k}, {rec.name!r}): "
                             "the file is damaged; start again with --overwrite")
-        return decode(data, device)
+        return decode(data, device, order)
 
     def save(self, k: int, rounds_done: int, state: dict, personalized: Params | None) -> None:
         """Write client k's record after round `rounds_done` (atomic; named by no checkpoint until the

@@ -99,7 +99,7 @@ def personalized_adapter(side: ClientSide, k: int, record: ClientRecord, global_
     if record.file is None:
         return global_params
     side.store.records[k] = record
-    state, personalized = side.store.load(k, side.lm.device)
+    state, personalized = side.store.load(k, side.lm.device, side.initial_params)
     return side.method.personalized_after_aggregation(global_params, personalized, state)
 
 
@@ -109,7 +109,7 @@ def run_train_job(side: ClientSide, job: TrainJob, shared: dict,
     local steps, its new state and personalized adapter into its next file."""
     tic = time.perf_counter()
     side.store.records[job.k] = job.record
-    loaded = side.store.load(job.k, side.lm.device)
+    loaded = side.store.load(job.k, side.lm.device, side.initial_params)
     state, _ = loaded if loaded is not None else (side.method.init_client_state(side.initial_params), None)
     try:
         result = local_round(side.lm, side.method, state, shared["global"], shared["received"], job.batches,
@@ -149,7 +149,7 @@ def run_rounds_lockstep(rounds: list[tuple[ClientSide, list[TrainJob], dict]],
     for g, (side, jobs, shared) in enumerate(rounds):
         for job in jobs:
             side.store.records[job.k] = job.record
-            loaded = side.store.load(job.k, lm.device)
+            loaded = side.store.load(job.k, lm.device, side.initial_params)
             state = loaded[0] if loaded is not None else side.method.init_client_state(side.initial_params)
             members.append(member(side.method, state, shared["global"], shared["received"], job.batches,
                                   client_lr(side.cfg, job.round), job.round, f"{job.k} ({job.record.name})",
