@@ -335,3 +335,22 @@ def test_a_memory_bound_changes_the_groups_never_an_answer_and_holds_the_cache_i
     assert len(evaluate._groups(list(map(len, prompts)), 64, 12, memory)) > 1  # the bound cut the groups
     texts = generate(lm.model, lm.tokenizer, prompts, 12, batch_size=1, progress=False)
     assert generate(lm.model, lm.tokenizer, prompts, 12, batch_size="auto", progress=False) == texts
+
+
+def test_auto_on_cuda_takes_1024_rows_within_half_the_memory_free_or_cached_unused(tiny_llama, monkeypatch):
+    """`decode_plan` on a CUDA model (stood in for here): AUTO_ROWS["cuda"] rows, bounded by half of
+    the driver's free memory plus what torch's caching allocator holds unused (after training, most
+    of what the device has free is there)."""
+    import types
+
+    inner = tiny_llama.model.get_base_model()
+    cuda_param = types.SimpleNamespace(device=torch.device("cuda", 0))
+    model = types.SimpleNamespace(parameters=lambda: iter([cuda_param]), get_base_model=lambda: inner)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 9 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2 * 2**30)
+    rows, memory = evaluate.decode_plan(model, "auto")
+    assert rows == evaluate.AUTO_ROWS["cuda"] == 1024
+    assert memory == evaluate.auto_memory(inner.config, torch.float32, 10 * 2**30)  # (3 + 9 - 2) GiB free
+    assert memory.budget == 5 * 2**30
+    assert evaluate.decode_plan(model, 32) == (32, None)

@@ -170,7 +170,9 @@ def decode_plan(model, batch_size: int | str) -> tuple[int, DecodeMemory | None]
     if param.device.type != "cuda":
         return AUTO_ROWS["cpu"], None
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    free, _ = torch.cuda.mem_get_info(param.device)
+    # free: the driver's, and what torch's caching allocator holds unused (training's activations)
+    free = (torch.cuda.mem_get_info(param.device)[0] + torch.cuda.memory_reserved(param.device)
+            - torch.cuda.memory_allocated(param.device))
     # the activations' dtype is the base's (its embeddings'), whatever the adapters' is
     return AUTO_ROWS["cuda"], auto_memory(inner.config, inner.get_input_embeddings().weight.dtype, free)
 
