@@ -380,19 +380,24 @@ def test_aligned_gives_the_flat_buffers_only_of_consecutive_views_on_a_flat_devi
         assert P.flat_buffers(*bad) is None and len(P.aligned(*bad)) == len(bad[0])
 
 
-@pytest.mark.parametrize("method", ["pflalign", "fedavg", "ffa-lora"])
+@pytest.mark.parametrize("method", sorted(METHODS))
 def test_flat_updates_train_exactly_what_tensor_by_tensor_updates_train(tmp_path, method, monkeypatch):
     """Where updates run over flat buffers (CUDA: params.FLAT_DEVICES, forced here on the CPU), a
     lockstep run's losses, adapters and method states are those of the tensor-by-tensor run bit for
-    bit (the same arithmetic, coordinate by coordinate); its measurements (GSNR, norms, pFLAlign's
-    step ratio) are sums in another order, equal within 1e-12. pFLAlign's step really ran once over
-    the flat buffers; FFA-LoRA's GSNR (A left out) takes the tensor-by-tensor path."""
+    bit (the same arithmetic, coordinate by coordinate), every method; its measurements (GSNR,
+    norms, pFLAlign's step ratio) are sums in another order, equal within 1e-12. pFLAlign's step
+    really ran once over the flat buffers; FFA-LoRA's (A frozen) takes the tensor-by-tensor path."""
     from pflalign import params as P
     from pflalign.methods import pflalign as pflalign_module
 
     run(tiny(method), tmp_path / "tensors", progress=False, batch="clients")
     monkeypatch.setattr(P, "FLAT_DEVICES", {"cpu", "cuda"})
-    sizes = []
+    sizes, flat_steps = [], []
+    from pflalign import optim
+
+    descend = optim.SGD.descend
+    monkeypatch.setattr(optim.SGD, "descend", lambda self, name, *a: flat_steps.append(name == P.FLAT_PIECE)
+                        or descend(self, name, *a))
     step = pflalign_module.pflalign_step_
     monkeypatch.setattr(pflalign_module, "pflalign_step_", lambda w, *a, **k: sizes.append(w.shape) or step(w, *a, **k))
     run(tiny(method), tmp_path / "flat", progress=False, batch="clients")
@@ -412,4 +417,9 @@ def test_flat_updates_train_exactly_what_tensor_by_tensor_updates_train(tmp_path
             if isinstance(value, float) and key != "seconds":
                 assert rb[key] == pytest.approx(value, rel=1e-12, abs=1e-300), key
     total = sum(t.numel() for t in a["global"].values())
-    assert (method == "pflalign") == bool(sizes) and all(s == (total,) for s in sizes)
+    preconditioned = method.startswith("pflalign")
+    assert preconditioned == bool(sizes) and all(s == (total,) for s in sizes)
+    # every method that steps through the optimizer does it once over the flat buffers, where it
+    # trains every tensor (FFA-LoRA and FedSVD keep A frozen: tensor by tensor)
+    descends = not preconditioned and method != "scaffold"
+    assert set(flat_steps) == ({method not in ("ffa-lora", "fedsvd")} if descends else set()), set(flat_steps)

@@ -75,26 +75,43 @@ def flat_buffers(*dicts: Params) -> list[torch.Tensor] | None:
     return None if any(f is None for f in flats) else flats
 
 
-def aligned(*dicts: Params) -> list[tuple[torch.Tensor, ...]]:
-    """The dicts' tensors as pieces to update one after another, each a tuple of one tensor per
-    dict, coordinate by coordinate aligned: their flat buffers as the one piece where `flat_buffers`
-    gives them (CUDA), else a piece per name of the first dict."""
+FLAT_PIECE = "(flat)"  # the name of the one piece of `aligned_named` over flat buffers
+
+
+def aligned_named(*dicts: Params) -> list[tuple[str, tuple[torch.Tensor, ...]]]:
+    """The dicts' tensors as named pieces to update one after another, each a tuple of one tensor
+    per dict, coordinate by coordinate aligned: their flat buffers as the one piece `FLAT_PIECE`
+    where `flat_buffers` gives them (CUDA), else a piece per name of the first dict. (A piece's name
+    keys per-tensor state such as AdamW's moments: the same all round, as are the buffers.)"""
     flats = flat_buffers(*dicts)
     if flats is not None:
-        return [tuple(flats)]
-    return [tuple(d[n] for d in dicts) for n in dicts[0]]
+        return [(FLAT_PIECE, tuple(flats))]
+    return [(n, tuple(d[n] for d in dicts)) for n in dicts[0]]
+
+
+def aligned(*dicts: Params) -> list[tuple[torch.Tensor, ...]]:
+    """`aligned_named`'s pieces without their names."""
+    return [piece for _, piece in aligned_named(*dicts)]
+
+
+def flat_where_it_helps(params: Params) -> Params:
+    """`params` as views of one flat buffer in their order on a device of `FLAT_DEVICES` (a copy
+    unless they already are), so that the updates that read them run flat; elsewhere as they are."""
+    if not params or next(iter(params.values())).device.type not in FLAT_DEVICES or flat_buffer(params) is not None:
+        return params
+    return clone(params)
 
 
 def clone(params: Params) -> Params:
     out = empty_like(params)
-    for n, t in params.items():
-        out[n].copy_(t.detach())
+    for o, t in aligned(out, params):  # (one copy on CUDA when `params` is flat too)
+        o.copy_(t.detach())
     return out
 
 
 def zeros_like(params: Params, dtype: torch.dtype | None = None) -> Params:
     out = empty_like(params, dtype)
-    for t in out.values():
+    for (t,) in aligned(out):
         t.zero_()
     return out
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import GradFn, Message, Method, Params, RoundContext, Scratch, State, StepContext, WeightedSum, clone
+from .base import (GradFn, Message, Method, Params, RoundContext, Scratch, State, StepContext, WeightedSum,
+                   aligned_named, clone)
 
 
 class FedAvg(Method):
@@ -27,11 +28,12 @@ class FedAvg(Method):
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         """The optimizer's step along the minibatch gradient d = g (SGD: w ← w − η g), on every
-        tensor the method trains (`trains`: all of them, except FFA-LoRA's A)."""
+        tensor the method trains (`trains`: all of them, except FFA-LoRA's A); on CUDA once over
+        the flat buffers when it trains them all (`aligned_named`)."""
         loss, grads = grad_fn()
-        for n, w in params.items():
-            if self.trains(n):
-                ctx.descend(n, w, grads[n])
+        trained = {n: w for n, w in params.items() if self.trains(n)}
+        for n, (w, g) in aligned_named(params if len(trained) == len(params) else trained, grads):
+            ctx.descend(n, w, g)
         return loss
 
     def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:

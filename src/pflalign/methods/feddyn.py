@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import (GradFn, Message, Method, Params, RoundContext, Scratch, State, StepContext, WeightedSum, clone,
-                   equal_weights, zeros_like)
+                   aligned_named, equal_weights, zeros_like)
 
 
 @dataclass
@@ -76,8 +76,8 @@ class FedDyn(Method):
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         loss, grads = grad_fn()
         alpha, lam = self.args.alpha, state["lambda"]
-        for n, w in params.items():
-            ctx.descend(n, w, feddyn_direction(grads[n], w, ctx.global_params[n], lam[n], alpha))
+        for n, (w, g, w_r, lam_n) in aligned_named(params, grads, ctx.global_params, lam):  # flat on CUDA
+            ctx.descend(n, w, feddyn_direction(g, w, w_r, lam_n, alpha))
         return loss
 
     def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:

@@ -70,7 +70,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import GradFn, Message, Method, Params, RoundContext, Scratch, State, StepContext, clone, zeros_like
+from .base import (GradFn, Message, Method, Params, RoundContext, Scratch, State, StepContext, aligned_named, clone,
+                   zeros_like)
 from .fedsam import joint_norm as _joint_norm
 from .fedsam import sam_gradient
 
@@ -158,10 +159,9 @@ class FedGloSS(Method):
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         loss, grads = grad_fn()
         grads = sam_gradient(params, grads, grad_fn, self.radius(self.args.rho_local, ctx.round))  # g_e
-        for n, w in params.items():
-            step = grads[n]
-            if self.args.admm:
-                step = fedgloss_direction(step, w, state["sigma"][n], ctx.scratch["start"][n], self.args.beta)
+        for n, (w, step, sigma, start) in aligned_named(params, grads, state["sigma"], ctx.scratch["start"]):
+            if self.args.admm:  # (flat on CUDA)
+                step = fedgloss_direction(step, w, sigma, start, self.args.beta)
             ctx.descend(n, w, step)
         return loss
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import GradFn, Params, State, StepContext
+from .base import GradFn, Params, State, StepContext, aligned_named
 from .fedavg import FedAvg
 
 
@@ -46,7 +46,7 @@ class FedProx(FedAvg):  # FedAvg with another client step: the server rule is in
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         loss, grads = grad_fn()
-        for n, w in params.items():
+        for n, (w, g, w_r) in aligned_named(params, grads, ctx.global_params):  # flat on CUDA
             # FedAvg's step on ∇h_k, so μ = 0 is bit-identical
-            ctx.descend(n, w, proximal_direction(grads[n], w, ctx.global_params[n], self.args.mu))
+            ctx.descend(n, w, proximal_direction(g, w, w_r, self.args.mu))
         return loss

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import GradFn, Params, State, StepContext
+from .base import GradFn, Params, State, StepContext, aligned, aligned_named, clone
 from .fedavg import FedAvg
 
 
@@ -56,12 +56,12 @@ def sam_gradient(params: Params, grads: Params, grad_fn: GradFn, rho: float) -> 
     if not (rho > 0 and norm > 0):
         return grads
     scale = rho / norm
-    start = {n: w.clone() for n, w in params.items()}
-    for n, w in params.items():
-        w.add_(grads[n], alpha=scale)  # climb to w + ε ...
+    start = clone(params)
+    for w, g in aligned(params, grads):  # (flat on CUDA)
+        w.add_(g, alpha=scale)  # climb to w + ε ...
     _, grads = grad_fn()  # ... take the gradient there ...
-    for n, w in params.items():
-        w.copy_(start[n])  # ... and step from w itself
+    for w, w0 in aligned(params, start):
+        w.copy_(w0)  # ... and step from w itself
     return grads
 
 
@@ -75,6 +75,6 @@ class FedSAM(FedAvg):  # FedAvg with another client step: the server rule is inh
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         loss, grads = grad_fn()
         grads = sam_gradient(params, grads, grad_fn, self.args.rho)
-        for n, w in params.items():
-            ctx.descend(n, w, grads[n])  # w ← w − η g_ε
+        for n, (w, g) in aligned_named(params, grads):  # (flat on CUDA)
+            ctx.descend(n, w, g)  # w ← w − η g_ε
         return loss

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from .base import (GradFn, Message, Method, Params, RoundContext, Scratch, State, StepContext, WeightedSum, clone,
-                   equal_weights, zeros_like)
+                   aligned, equal_weights, zeros_like)
 
 
 def scaffold_direction(g: torch.Tensor, c_k: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -69,8 +69,8 @@ class Scaffold(Method):
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
         loss, grads = grad_fn()
         client_c, server_c = state["c"], ctx.scratch["server_c"]
-        for n, w in params.items():
-            w.add_(scaffold_direction(grads[n], client_c[n], server_c[n]), alpha=-ctx.lr)  # SGD (refuses_adamw)
+        for w, g, c_k, c in aligned(params, grads, client_c, server_c):  # flat on CUDA
+            w.add_(scaffold_direction(g, c_k, c), alpha=-ctx.lr)  # SGD (refuses_adamw)
         ctx.scratch["lr_sum"] += ctx.lr
         return loss
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..methods.base import Aggregation, Message, Method, Params, RoundContext, State, data_weights
+from ..params import flat_where_it_helps
 
 if TYPE_CHECKING:  # a type only: the server needs no client code (tests/test_layers.py)
     from .client import ClientRound
@@ -87,7 +88,7 @@ class Server:
 
     def finish_round(self, plan: RoundPlan, results: list[ClientRound], extra: dict | None = None) -> RoundRecord:
         """w^{r+1} from the round's sums (the server state updated in place), and the round's record."""
-        self.global_params = plan.aggregation.finish()
+        self.global_params = flat_where_it_helps(plan.aggregation.finish())  # (one buffer on CUDA: params.aligned)
         return RoundRecord(self.global_params, plan.ctx.client_ids, results, plan.weights, extra or {})
 
     # ---- checkpoint ------------------------------------------------------------------
@@ -97,5 +98,5 @@ class Server:
 
     def load_state_dict(self, saved: dict) -> None:
         """Back to a checkpoint's w^r and server state (`state_dict`; other keys are ignored)."""
-        self.global_params = saved["global"]
+        self.global_params = flat_where_it_helps(saved["global"])
         self.state = saved["server_state"]
