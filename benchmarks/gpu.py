@@ -666,6 +666,7 @@ def batched(device: str, tiny: bool, peak: dict | None, archs=BATCHED_ARCHS) -> 
     took (`clients_per_pass`: fewer than K where the device ran out of memory), and
     ``over_one_adapter``: tokens/s against K = 1 (issue 55's target: >= 5 at 12 SmolLM2
     adapters; LLaMA-3.2-1B batched >= 40% of the peak)."""
+    from pflalign.params import aligned
     from pflalign.run.lockstep import PassSize, own_adapter, shared_pass
 
     warmup, steps = (1, 2) if tiny else (1, 3)
@@ -700,10 +701,10 @@ def batched(device: str, tiny: bool, peak: dict | None, archs=BATCHED_ARCHS) -> 
 
                 def step() -> float:
                     losses = shared_pass(lm, batches, adapters, size)
-                    with torch.no_grad():  # each client's SGD step, as FedAvg's client takes it
+                    with torch.no_grad():  # each client's SGD step, as FedAvg's client takes it (flat on CUDA)
                         for adapter in adapters:
-                            for p in adapter.values():
-                                p.sub_(p.grad, alpha=1e-4)
+                            for w, g in aligned(adapter, {n: p.grad for n, p in adapter.items()}):
+                                w.sub_(g, alpha=1e-4)
                     return sum(losses) / len(losses)
 
                 try:
