@@ -45,7 +45,9 @@
 # of training (the shared passes stay launch-bound, the per-run work does not) and 6-7 min of
 # scoring, more than a call, and the 15-minute lease (a start and two staging calls first) has no
 # second full call. So 1; the log's per-round seconds ("round r/50 ... (s, K runs)") say whether a
-# later lease can take 2. PY picks the Python (default python3, the image's). The same plumbing
+# later lease can take 2. Since 2026-11-28 (after those estimates, untimed on a GPU) a CUDA run
+# decodes up to 1024 rows at once (eval.batch_size=auto) and takes every client step's updates
+# flat (params.aligned): both estimates above are then upper bounds, by several times for the scoring. PY picks the Python (default python3, the image's). The same plumbing
 # here at toy size (a check, not results; a few minutes; the wheels are for the image's Python
 # 3.12, so a 3.11 venv's own packages stand in for them):
 #   bash docs/results/table1-dolly/gpu-runs.sh stage /tmp/pfl-toy &&
