@@ -423,3 +423,33 @@ def test_flat_updates_train_exactly_what_tensor_by_tensor_updates_train(tmp_path
     # trains every tensor (FFA-LoRA and FedSVD keep A frozen: tensor by tensor)
     descends = not preconditioned and method != "scaffold"
     assert set(flat_steps) == ({method not in ("ffa-lora", "fedsvd")} if descends else set()), set(flat_steps)
+
+
+def test_a_clients_file_loads_each_group_as_one_flat_buffer_in_the_adapters_order():
+    """The file keeps a group's tensors sorted by name; loaded with the adapter's order, each group
+    is one flat buffer in that order (so it lines up with the live adapter: params.aligned), values
+    unchanged; `moved` takes such a buffer across in one transfer."""
+    from pflalign import params as P
+    from pflalign.run.client_store import decode, encode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gen = torch.Generator().manual_seed(0)
+    adapter = P.clone({n: torch.randn(s, generator=gen) for n, s in (("z.lora_A", (2, 3)), ("a.lora_B", (3, 2)),
+                                                                      ("m.lora_A", (4,)))})
+    state = {"v": P.clone(adapter), "P": P.zeros_like(adapter)}
+    loaded, personalized = decode(encode(state, adapter), "cpu", adapter)
+    for group in (*loaded.values(), personalized):
+        assert list(group) == list(adapter) and P.flat_buffer(group) is not None
+    assert all(torch.equal(loaded["v"][n], adapter[n]) and torch.equal(personalized[n], adapter[n]) for n in adapter)
+    assert list(decode(encode(state, None), "cpu")[0]["v"]) == sorted(adapter)  # no order given: the file's
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Copies.count += func.__name__.startswith("_to_copy")
+            return func(*args, **(kwargs or {}))
+
+    with Copies():
+        there = P.moved(adapter, "meta")
+    assert Copies.count == 1 and list(there) == list(adapter) and there["a.lora_B"].shape == (3, 2)

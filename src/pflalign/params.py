@@ -102,6 +102,34 @@ def flat_where_it_helps(params: Params) -> Params:
     return clone(params)
 
 
+def _views(flat: torch.Tensor, like: Params) -> Params:
+    """`flat`'s consecutive pieces shaped as `like`'s tensors, by its names."""
+    out, offset = {}, 0
+    for n, t in like.items():
+        out[n] = flat[offset:offset + t.numel()].view(t.shape)
+        offset += t.numel()
+    return out
+
+
+def moved(params: Params, device: torch.device | str) -> Params:
+    """A copy of `params` on `device` as views of one flat buffer, in their order: one transfer
+    between host and device for the lot (one per tensor costs a synchronisation each) when they
+    are, or are first copied into, one flat buffer of one dtype."""
+    if not params:
+        return {}
+    flat = flat_buffer(params)
+    if flat is None:  # first one flat copy where they lie (mixed dtypes stay tensor by tensor)
+        params = clone(params)
+        flat = flat_buffer(params)
+        if flat is None:
+            return {n: t.to(device) for n, t in params.items()}
+        if flat.device == torch.device(device):
+            return params
+    elif flat.device == torch.device(device):
+        return clone(params)
+    return _views(flat.to(device, copy=True), params)
+
+
 def clone(params: Params) -> Params:
     out = empty_like(params)
     for o, t in aligned(out, params):  # (one copy on CUDA when `params` is flat too)

@@ -41,7 +41,7 @@ from safetensors.torch import save as save_bytes
 from .. import checkpoint as ckpt
 from ..checkpoint.atomic import _atomic_write
 from ..errors import UserError
-from ..params import Params, clone
+from ..params import Params, moved
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,13 @@ class ClientRecord:
 
 def encode(state: dict, personalized: Params | None) -> bytes:
     """A client's state groups and personalized adapter as safetensors bytes."""
-    tensors = {f"state/{g}/{n}": t.detach() for g, group in state.items() for n, t in group.items()}
+    # CPU for the writer: on CPU (the usual case) the tensors themselves, no copy; from a device one
+    # transfer per group (`moved`), not one per tensor
+    host = lambda group: group if next(iter(group.values()), torch.empty(0)).device.type == "cpu" else moved(group, "cpu")  # noqa: E731
+    tensors = {f"state/{g}/{n}": t.detach() for g, group in state.items() for n, t in host(group).items()}
     if personalized is not None:
-        tensors.update({f"personalized/{n}": t.detach() for n, t in personalized.items()})
-    # CPU for the writer; on CPU (the usual case) .cpu() is the tensor itself, no copy
-    tensors = {k: t.cpu().contiguous() for k, t in tensors.items()}
+        tensors.update({f"personalized/{n}": t.detach() for n, t in host(personalized).items()})
+    tensors = {k: t.contiguous() for k, t in tensors.items()}
     meta = {"format": "pflalign-client-1", "groups": json.dumps(list(state)),
             "personalized": "1" if personalized is not None else "0"}
     return save_bytes(tensors, metadata=meta)
@@ -98,7 +100,7 @@ def decode(data: bytes, device: torch.device | str = "cpu", order: Iterable[str]
 
     def onto(params: dict) -> Params:
         names = order if params.keys() == set(order) else list(params)
-        return clone({n: params[n].to(device) for n in names})
+        return moved({n: params[n] for n in names}, device)  # one flat buffer, one transfer
 
     return {g: onto(p) for g, p in groups.items()}, (None if personalized is None else onto(personalized))
 
