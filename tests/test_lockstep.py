@@ -453,3 +453,18 @@ def test_a_clients_file_loads_each_group_as_one_flat_buffer_in_the_adapters_orde
     with Copies():
         there = P.moved(adapter, "meta")
     assert Copies.count == 1 and list(there) == list(adapter) and there["a.lora_B"].shape == (3, 2)
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["tensor-by-tensor", "flat"])
+def test_a_non_finite_value_is_found_and_named_either_way(flat, monkeypatch):
+    from pflalign import params as P
+    from pflalign.run.client import _non_finite
+
+    if flat:
+        monkeypatch.setattr(P, "FLAT_DEVICES", {"cpu", "cuda"})
+    adapter = P.zeros_like({"a": torch.ones(2, 2), "b": torch.ones(3), "c": torch.ones(1)})
+    assert _non_finite(adapter) is None
+    adapter["b"][1] = float("nan")
+    assert _non_finite(adapter) == "b"
+    adapter["b"][1], adapter["c"][0] = 0.0, float("-inf")
+    assert _non_finite(adapter) == "c"

@@ -111,11 +111,11 @@ def data_weights(sizes: list[int]) -> list[float]:
 
 
 def add_weighted(total: Params, item: Params, weight: float) -> None:
-    """total += weight · item, tensor by tensor, in place. Every weighted sum of messages adds
+    """total += weight · item, tensor by tensor (flat on CUDA), in place. Every weighted sum of messages adds
     through here, from zeros and in client order, so a running sum has `weighted_average`'s
     bits (``add_`` with ``alpha`` rounds once: it is not ``total + weight * item``)."""
-    for n, t in item.items():
-        total[n].add_(t, alpha=weight)
+    for s, t in aligned(total, item):  # (one operation over flat buffers on CUDA)
+        s.add_(t, alpha=weight)
 
 
 def weighted_average(items: list[Params], weights: list[float]) -> Params:

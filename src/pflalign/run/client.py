@@ -106,11 +106,15 @@ def _non_finite(params: Params) -> str | None:
     """The name of the first tensor holding a NaN or Inf, if any.
 
     One multi-tensor norm first (a NaN or Inf anywhere makes its tensor's norm
-    non-finite): the per-tensor search runs only when that sees something, so
+    non-finite), or one check of the flat buffer the tensors are views of (CUDA:
+    params.aligned): the per-tensor search runs only when that sees something, so
     the usual case costs one call instead of one check and sync per tensor.
     """
-    tensors = [p.detach() for p in params.values()]
-    if not tensors or torch.isfinite(torch.stack(torch._foreach_norm(tensors))).all():
+    pieces = aligned(params)
+    if len(pieces) == 1:  # one flat buffer (CUDA): one check
+        if bool(torch.isfinite(pieces[0][0].detach()).all()):
+            return None
+    elif not pieces or torch.isfinite(torch.stack(torch._foreach_norm([p.detach() for (p,) in pieces]))).all():
         return None
     return next((n for n, p in params.items() if not torch.isfinite(p).all()), None)
 

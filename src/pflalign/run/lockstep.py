@@ -36,7 +36,7 @@ import torch
 from .client import ClientRound, LocalRound
 from ..errors import TrainingDiverged, UserError
 from ..methods.base import Message, Method, Params, State
-from ..params import clone
+from ..params import aligned, clone
 
 
 def own_adapter(like: Params) -> Params:
@@ -58,8 +58,8 @@ def _loader(live: Params) -> Callable[[Params], None]:
     def load(params: Params) -> None:
         if params.keys() != live.keys():
             raise ValueError("adapter keys differ from the model's")
-        for n, p in live.items():
-            p.copy_(params[n])
+        for p, value in aligned(live, params):  # (one copy over flat buffers on CUDA)
+            p.copy_(value)
     return load
 
 
