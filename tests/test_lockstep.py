@@ -426,7 +426,7 @@ def test_flat_updates_train_exactly_what_tensor_by_tensor_updates_train(tmp_path
 
 
 def test_a_clients_file_loads_each_group_as_one_flat_buffer_in_the_adapters_order():
-    """The file keeps a group's tensors sorted by name; loaded with the adapter's order, each group
+    """The file keeps a group's tensors in an order of its own; loaded with the adapter's order, each group
     is one flat buffer in that order (so it lines up with the live adapter: params.aligned), values
     unchanged; `moved` takes such a buffer across in one transfer."""
     from pflalign import params as P
@@ -441,7 +441,7 @@ def test_a_clients_file_loads_each_group_as_one_flat_buffer_in_the_adapters_orde
     for group in (*loaded.values(), personalized):
         assert list(group) == list(adapter) and P.flat_buffer(group) is not None
     assert all(torch.equal(loaded["v"][n], adapter[n]) and torch.equal(personalized[n], adapter[n]) for n in adapter)
-    assert list(decode(encode(state, None), "cpu")[0]["v"]) == sorted(adapter)  # no order given: the file's
+    assert set(decode(encode(state, None), "cpu")[0]["v"]) == set(adapter)  # no order given: the file's
 
     class Copies(TorchDispatchMode):
         count = 0

@@ -68,7 +68,9 @@ def encode(state: dict, personalized: Params | None) -> bytes:
     """A client's state groups and personalized adapter as safetensors bytes."""
     # CPU for the writer: on CPU (the usual case) the tensors themselves, no copy; from a device one
     # transfer per group (`moved`), not one per tensor
-    host = lambda group: group if next(iter(group.values()), torch.empty(0)).device.type == "cpu" else moved(group, "cpu")  # noqa: E731
+    def host(group: Params) -> Params:
+        return group if all(t.device.type == "cpu" for t in group.values()) else moved(group, "cpu")
+
     tensors = {f"state/{g}/{n}": t.detach() for g, group in state.items() for n, t in host(group).items()}
     if personalized is not None:
         tensors.update({f"personalized/{n}": t.detach() for n, t in host(personalized).items()})
@@ -82,7 +84,7 @@ def decode(data: bytes, device: torch.device | str = "cpu", order: Iterable[str]
     """The inverse of `encode`: (state, personalized), each group one flat buffer on `device`
     (params.empty_like says why one buffer). A group of the names in `order` (the adapter's) holds
     them in that order, so that its flat buffer lines up with the adapter's (params.aligned);
-    the file keeps them sorted by name."""
+    otherwise the file's order (safetensors' own)."""
     header_len = int.from_bytes(data[:8], "little")
     meta = json.loads(data[8:8 + header_len]).get("__metadata__", {})
     flat = load_bytes(data)
