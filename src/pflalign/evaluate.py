@@ -155,7 +155,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> tuple[int, int]:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     intermediate = (getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
                     or 4 * config.hidden_size)
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     return (2 * config.num_hidden_layers * kv_heads * head_dim * size,
             (6 * config.hidden_size + 4 * intermediate) * size)
 
@@ -181,7 +181,7 @@ def auto_memory(config, dtype: torch.dtype, free_bytes: int) -> DecodeMemory:
     """The `DecodeMemory` of a decoder (transformers' `config`, activations in `dtype`) on a device
     with `free_bytes` free: `AUTO_MEMORY_SHARE` of them."""
     cache, prefill = kv_bytes_per_token(config, dtype)
-    return DecodeMemory(int(free_bytes * AUTO_MEMORY_SHARE), cache, prefill, torch.empty((), dtype=dtype).element_size())
+    return DecodeMemory(int(free_bytes * AUTO_MEMORY_SHARE), cache, prefill, dtype.itemsize)
 
 
 def _groups(widths: list[int], batch_size: int, max_new_tokens: int, memory: DecodeMemory | None) -> list[list[int]]:

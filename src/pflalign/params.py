@@ -29,11 +29,7 @@ def empty_like(params: Params, dtype: torch.dtype | None = None) -> Params:
     if any(t.dtype != first.dtype or t.device != first.device for t in params.values()):
         return {n: torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for n, t in params.items()}
     flat = torch.empty(sum(t.numel() for t in params.values()), dtype=dtype or first.dtype, device=first.device)
-    views, offset = {}, 0
-    for n, t in params.items():
-        views[n] = flat[offset:offset + t.numel()].view(t.shape)
-        offset += t.numel()
-    return views
+    return _views(flat, params)
 
 
 # Where an adapter-sized update runs as one operation over its flat buffer instead of one per tensor:
