@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import params as params_module
 from .base import GradFn, Params, State, StepContext, aligned, aligned_named, clone
 from .fedavg import FedAvg
 
@@ -39,8 +40,14 @@ class FedSAMArgs:
 
 
 def joint_norm(tensors: Params) -> torch.Tensor:
-    """‖g‖ over all tensors together, accumulated in at least float32 (LoRA grads may be bf16)."""
-    norms = [torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors.values()]
+    """‖g‖ over all tensors together, accumulated in at least float32 (LoRA grads may be bf16): the
+    norm of the per-tensor norms (on CUDA in one multi-tensor launch: `params.FLAT_DEVICES`; a flat
+    buffer's one norm would round otherwise than these, and flat updates train bit for bit)."""
+    values = list(tensors.values())
+    if values and values[0].device.type in params_module.FLAT_DEVICES and len({t.dtype for t in values}) == 1:
+        norms = torch._foreach_norm(values, 2, dtype=torch.promote_types(values[0].dtype, torch.float32))
+    else:
+        norms = [torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in values]
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
