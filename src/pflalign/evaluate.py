@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from .settings.defaults import EVAL_ROWS_CPU
+
 _SCORER = None
 
 
@@ -142,7 +144,7 @@ class DecodeMemory:
 # kernel launches: LLaMA-3.2-1B's 128 greedy tokens took 6.4 s for 64 rows and 5.9-6.3 s for 128,
 # 200 and 256 on an H200 (benchmarks/results/gpu_eval_batch.json), so up to 1024 rows (not timed
 # beyond 256; benchmarks/gpu.py's scoring section measures it), within half the device's free memory.
-AUTO_ROWS = {"cpu": 64, "cuda": 1024}
+AUTO_ROWS = {"cpu": EVAL_ROWS_CPU, "cuda": 1024}
 AUTO_MEMORY_SHARE = 0.5
 
 

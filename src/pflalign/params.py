@@ -8,6 +8,9 @@ method's state use the same allocation (one flat buffer per copy, see
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
+
 import torch
 
 Params = dict[str, torch.Tensor]
@@ -29,7 +32,7 @@ def empty_like(params: Params, dtype: torch.dtype | None = None) -> Params:
     if any(t.dtype != first.dtype or t.device != first.device for t in params.values()):
         return {n: torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device) for n, t in params.items()}
     flat = torch.empty(sum(t.numel() for t in params.values()), dtype=dtype or first.dtype, device=first.device)
-    return _views(flat, params)
+    return views_of(flat, {n: t.shape for n, t in params.items()})
 
 
 # Where an adapter-sized update runs as one operation over its flat buffer instead of one per tensor:
@@ -98,12 +101,14 @@ def flat_where_it_helps(params: Params) -> Params:
     return clone(params)
 
 
-def _views(flat: torch.Tensor, like: Params) -> Params:
-    """`flat`'s consecutive pieces shaped as `like`'s tensors, by its names."""
+def views_of(flat: torch.Tensor, shapes: Mapping[str, Sequence[int]]) -> Params:
+    """`flat`'s consecutive pieces, one per name of `shapes`, each shaped as it says (what
+    `empty_like` and `moved` hand out, and what a checkpoint's packed dict becomes again)."""
     out, offset = {}, 0
-    for n, t in like.items():
-        out[n] = flat[offset:offset + t.numel()].view(t.shape)
-        offset += t.numel()
+    for n, shape in shapes.items():
+        size = math.prod(shape)
+        out[n] = flat[offset:offset + size].view(shape)
+        offset += size
     return out
 
 
@@ -123,7 +128,7 @@ def moved(params: Params, device: torch.device | str) -> Params:
             return params
     elif flat.device == torch.device(device):
         return clone(params)
-    return _views(flat.to(device, copy=True), params)
+    return views_of(flat.to(device, copy=True), {n: t.shape for n, t in params.items()})
 
 
 def clone(params: Params) -> Params:

@@ -43,7 +43,7 @@ def default_lr(cfg: RunConfig) -> float:
     return SGD_LR
 
 
-EVAL_ROWS_CPU = 64  # eval.batch_size on device=cpu (evaluate.AUTO_ROWS["cpu"], which a test keeps equal)
+EVAL_ROWS_CPU = 64  # eval.batch_size on device=cpu, and what auto decodes with off CUDA (evaluate.AUTO_ROWS)
 
 
 def resolve_defaults(cfg: RunConfig) -> None:
