@@ -468,3 +468,79 @@ def test_a_non_finite_value_is_found_and_named_either_way(flat, monkeypatch):
     assert _non_finite(adapter) == "b"
     adapter["b"][1], adapter["c"][0] = 0.0, float("-inf")
     assert _non_finite(adapter) == "c"
+
+
+def _peft_adapter(pairs: int, seed: int) -> dict:
+    """An adapter of `pairs` LoRA pairs under PEFT's names, as one flat buffer (params.clone)."""
+    from pflalign import params as P
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(pairs):
+        prefix = f"base_model.model.model.layers.{i}.self_attn.q_proj"
+        tensors[f"{prefix}.lora_A.default.weight"] = torch.randn(2, 6, generator=g, dtype=torch.float64)
+        tensors[f"{prefix}.lora_B.default.weight"] = torch.randn(6, 2, generator=g, dtype=torch.float64)
+    return P.clone(tensors)
+
+
+def _hook_operations(method_name: str, pairs: int, monkeypatch) -> dict[str, int]:
+    """Operations (views apart) each of a method's hooks dispatches in two client rounds of two
+    clients and their aggregations, over an adapter of `pairs` LoRA pairs, updates flat (forced)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pflalign import params as P
+    from pflalign.methods.base import RoundContext, StepContext
+
+    monkeypatch.setattr(P, "FLAT_DEVICES", {"cpu", "cuda"})
+    counts, where = Counter(), ["setup"]
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[where[0]] += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    def hook(name, fn, *args):
+        where[0] = name
+        try:
+            return fn(*args)
+        finally:
+            where[0] = "setup"
+
+    method = METHODS[method_name]()
+    glob = _peft_adapter(pairs, 0)
+    grads = [_peft_adapter(pairs, 1 + k) for k in range(2)]
+    server_state = method.init_server_state(glob)
+    states = [method.init_client_state(glob) for _ in range(2)]
+    with Counting():
+        for r in range(2):
+            received, messages = method.broadcast(glob, server_state), []
+            for k in range(2):
+                scratch = method.new_scratch()
+                start = hook("client start", method.client_start, glob, states[k], received, scratch)
+                live = P.clone(start)  # the live adapter: one flat buffer, loaded with the start
+                for t in range(2):
+                    ctx = StepContext(r, t, 2, 0.01, glob, scratch=scratch)
+                    hook("step", method.local_step, live, lambda k=k: (0.0, grads[k]), states[k], ctx)
+                hook("metrics", method.round_metrics, glob, live, states[k], scratch)
+                messages.append(hook("client end", method.client_end, glob, live, states[k], scratch))
+            glob = hook("aggregation", method.aggregate, glob, messages, [0.5, 0.5], server_state,
+                        RoundContext(r, 2, [0, 1]))
+    return counts
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_flat_updates_take_as_many_operations_for_any_number_of_tensors(method, monkeypatch):
+    """Where updates run flat (CUDA, each operation a kernel launch), a client round's start, its end,
+    its measurements and the server's aggregation dispatch as many operations for 12 LoRA pairs as for
+    3: nothing in them runs once per tensor (pFLAlign's w^r + Δ_k and Δ_k = w_T − w^r, SCAFFOLD's
+    control variates, FedSA-LoRA's and FFA-LoRA's subsets, the server rules). Nor does the step,
+    except where A is frozen (FFA-LoRA, FedSVD: tensor by tensor) and FedSVD's server, which
+    factorises each pair's product."""
+    few, many = (_hook_operations(method, pairs, monkeypatch) for pairs in (3, 12))
+    per_tensor = {"ffa-lora": {"step"}, "fedsvd": {"step", "aggregation"}}.get(method, set())
+    for hook in ("client start", "step", "metrics", "client end", "aggregation"):
+        if hook not in per_tensor:
+            assert many[hook] == few[hook], (hook, few[hook], many[hook])
+    assert few["step"] > 0

@@ -93,6 +93,28 @@ def aligned(*dicts: Params) -> list[tuple[torch.Tensor, ...]]:
     return [piece for _, piece in aligned_named(*dicts)]
 
 
+def mapped(fn, *dicts: Params) -> Params:
+    """`fn`, an element-wise function of aligned tensors (one per dict), over the dicts: a dict with
+    the first dict's names, `fn` applied once to their flat buffers where `flat_buffers` gives them
+    (CUDA: the result is views of its one output), else once per name (w + Δ_k: `mapped(torch.add,
+    w, delta)`). The same arithmetic coordinate by coordinate either way."""
+    flats = flat_buffers(*dicts)
+    if flats is not None:
+        return views_of(fn(*flats), {n: t.shape for n, t in dicts[0].items()})
+    return {n: fn(*(d[n] for d in dicts)) for n in dicts[0]}
+
+
+def in_order(params: Params, names) -> Params:
+    """`params` keyed in the order of `names` (a dict's order decides whether it aligns with another's
+    flat buffer, and the order of a sum over it its last bits)."""
+    return {n: params[n] for n in names}
+
+
+def detached(params: Params) -> Params:
+    """`params`' tensors detached from autograd (views: an adapter's live leaves as plain tensors)."""
+    return {n: t.detach() for n, t in params.items()}
+
+
 def flat_where_it_helps(params: Params) -> Params:
     """`params` as views of one flat buffer in their order on a device of `FLAT_DEVICES` (a copy
     unless they already are), so that the updates that read them run flat; elsewhere as they are."""
@@ -132,6 +154,15 @@ def moved(params: Params, device: torch.device | str) -> Params:
 
 
 def clone(params: Params) -> Params:
+    """A copy of `params` as views of one flat buffer (`empty_like`). On a device of `FLAT_DEVICES`,
+    tensors that are not one flat buffer already (a subset of an adapter: FedSA-LoRA's B, FFA-LoRA's
+    B) are copied by one concatenation rather than one copy each."""
+    if len(params) > 1 and flat_buffer(params) is None:
+        values = [t.detach() for t in params.values()]
+        first = values[0]
+        if first.device.type in FLAT_DEVICES and all(t.dtype == first.dtype and t.device == first.device
+                                                     for t in values):
+            return views_of(torch.cat([t.reshape(-1) for t in values]), {n: t.shape for n, t in params.items()})
     out = empty_like(params)
     for o, t in aligned(out, params):  # (one copy on CUDA when `params` is flat too)
         o.copy_(t.detach())

@@ -60,7 +60,8 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from ..optim import SGD, AdamW
-from ..params import Params, aligned, aligned_named, clone, empty_like, zeros_like  # noqa: F401  (the methods' helpers too)
+from ..params import (Params, aligned, aligned_named, clone, detached, empty_like, in_order, mapped,  # noqa: F401
+                      zeros_like)  # (the methods' helpers too)
 
 State = dict[str, Params]
 Message = dict[str, Params]

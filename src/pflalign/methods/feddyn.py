@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import (GradFn, Message, Method, Params, RoundContext, Scratch, State, StepContext, WeightedSum, clone,
-                   aligned_named, equal_weights, zeros_like)
+                   aligned, aligned_named, detached, equal_weights, in_order, mapped, zeros_like)
 
 
 @dataclass
@@ -81,8 +81,8 @@ class FedDyn(Method):
         return loss
 
     def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:
-        for n, w in params.items():
-            feddyn_dual_update_(state["lambda"][n], w.detach(), global_params[n], self.args.alpha)
+        for lam, w, w_r in aligned(in_order(state["lambda"], params), detached(params), in_order(global_params, params)):
+            feddyn_dual_update_(lam, w, w_r, self.args.alpha)  # (flat on CUDA)
         return {"params": clone(params)}
 
     def init_server_state(self, global_params: Params) -> State:
@@ -95,10 +95,9 @@ class FedDyn(Method):
     def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
                            server_state: State, ctx: RoundContext) -> Params:
         alpha, participants, mean_params = self.args.alpha, len(weights), sums["mean"]
-        new = {}
-        for n, h in server_state["h"].items():
-            new[n] = feddyn_server_step_(h, mean_params[n], global_params[n], alpha, participants, ctx.num_clients)
-        return new
+        h = server_state["h"]
+        return mapped(lambda h, mean, w_r: feddyn_server_step_(h, mean, w_r, alpha, participants, ctx.num_clients),
+                      h, in_order(mean_params, h), in_order(global_params, h))
 
     def needs_each_upload(self) -> str | None:
         return ("its server rule averages the uploads with equal weights and counts the participants; "

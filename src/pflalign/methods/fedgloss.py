@@ -71,7 +71,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import (GradFn, Message, Method, Params, RoundContext, Scratch, State, StepContext, aligned_named, clone,
-                   zeros_like)
+                   aligned, detached, in_order, mapped, zeros_like)
 from .fedsam import joint_norm as _joint_norm
 from .fedsam import sam_gradient
 
@@ -108,8 +108,8 @@ class UpdateSum:
         self.total = zeros_like(start)
 
     def add(self, i: int, message: Message) -> None:
-        for n, x in message["params"].items():
-            self.total[n].add_(self.weights[i] * (x - self.start[n]))
+        for total, x, start in aligned(self.total, in_order(message["params"], self.total), self.start):
+            total.add_(self.weights[i] * (x - start))  # (flat on CUDA)
 
     def result(self) -> Params:
         return self.total
@@ -151,7 +151,7 @@ class FedGloSS(Method):
         return {"sigma": zeros_like(global_params)}
 
     def client_start(self, global_params: Params, state: State, received: Message, scratch: Scratch) -> Params:
-        start = {n: w + received["perturbation"][n] for n, w in global_params.items()}  # w̃ = w + ε̃
+        start = mapped(torch.add, global_params, in_order(received["perturbation"], global_params))  # w̃ = w + ε̃
         scratch["start"] = clone(start)
         return start
 
@@ -167,8 +167,9 @@ class FedGloSS(Method):
 
     def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:
         if self.args.admm:
-            for n, w in params.items():
-                fedgloss_dual_update_(state["sigma"][n], w.detach(), scratch["start"][n], self.args.beta)
+            for sigma, w, start in aligned(in_order(state["sigma"], params), detached(params),
+                                           in_order(scratch["start"], params)):
+                fedgloss_dual_update_(sigma, w, start, self.args.beta)  # (flat on CUDA)
         return {"params": clone(params)}
 
     # ---- server -------------------------------------------------------------
@@ -180,7 +181,7 @@ class FedGloSS(Method):
 
     def aggregation_sums(self, global_params: Params, weights: list[float], server_state: State,
                          ctx: RoundContext) -> dict:
-        start = {n: w + server_state["perturbation"][n] for n, w in global_params.items()}  # w̃^t
+        start = mapped(torch.add, global_params, in_order(server_state["perturbation"], global_params))  # w̃^t
         sums = {"weighted": UpdateSum(start, weights)}  # Σ_k p_k Δ_k
         if self.args.admm:
             sums["unweighted"] = UpdateSum(start, [1.0] * len(weights))  # Σ_{k∈S} Δ_k
@@ -190,17 +191,21 @@ class FedGloSS(Method):
                            server_state: State, ctx: RoundContext) -> Params:
         beta, sigma, perturbation = self.args.beta, server_state["sigma"], server_state["perturbation"]
         participants = len(weights)
-        pseudo_grad, new = {}, {}
-        for n, w in global_params.items():
-            pseudo_grad[n] = -sums["weighted"][n]
-            new[n] = w - self.args.server_lr * pseudo_grad[n]
-            if self.args.admm:
-                sigma[n].sub_(sums["unweighted"][n] / (beta * ctx.num_clients * participants))
-                new[n] = new[n] - beta * sigma[n]
+        # each line one operation over flat buffers on CUDA (params.mapped / aligned), else one per tensor
+        pseudo_grad = mapped(torch.neg, in_order(sums["weighted"], global_params))
+        new = mapped(lambda w, d: w - self.args.server_lr * d, global_params, pseudo_grad)
+        if self.args.admm:
+            sigma = in_order(sigma, global_params)
+            for s, total in aligned(sigma, in_order(sums["unweighted"], global_params)):
+                s.sub_(total / (beta * ctx.num_clients * participants))
+            new = mapped(lambda w, s: w - beta * s, new, sigma)
         # the next round's ascent: along the pseudo-gradient just computed
         rho, norm = self.radius(self.args.rho, ctx.round + 1), joint_norm(pseudo_grad)
-        for n, d in pseudo_grad.items():
-            perturbation[n] = d * (rho / norm) if rho > 0 and norm > 0 else torch.zeros_like(d)
+        for e, d in aligned(in_order(perturbation, global_params), pseudo_grad):  # in place: ε stays one buffer
+            if rho > 0 and norm > 0:
+                torch.mul(d, rho / norm, out=e)
+            else:
+                e.zero_()
         return new
 
     def needs_each_upload(self) -> str | None:

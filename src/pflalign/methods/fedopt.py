@@ -33,7 +33,7 @@ import torch
 
 from typing import Callable
 
-from .base import Params, RoundContext, State, zeros_like
+from .base import Params, RoundContext, State, aligned, in_order, mapped, zeros_like
 from .fedavg import FedAvg
 
 
@@ -101,8 +101,10 @@ class FedOpt(FedAvg):
     Args = FedOptArgs
 
     def init_server_state(self, global_params: Params) -> State:
-        tau_sq = self.args.tau ** 2
-        return {"m": zeros_like(global_params), "v": {n: torch.full_like(t, tau_sq) for n, t in global_params.items()}}
+        v = zeros_like(global_params)  # v_0 = τ², one flat buffer as m
+        for (piece,) in aligned(v):
+            piece.fill_(self.args.tau ** 2)
+        return {"m": zeros_like(global_params), "v": v}
 
     @abstractmethod
     def update_v(self, v: torch.Tensor, delta_sq: torch.Tensor) -> None:
@@ -113,8 +115,10 @@ class FedOpt(FedAvg):
         average = sums["params"]  # Σ_k p_k w_k (the default sum)
         beta1, lr, tau = self.args.beta1, self.args.server_lr, self.args.tau
         m, v = server_state["m"], server_state["v"]
-        return {n: fedopt_step_(w, average[n] - w, m[n], v[n], lr=lr, beta1=beta1, tau=tau, update_v=self.update_v)
-                for n, w in global_params.items()}
+        return mapped(lambda w, avg, m, v: fedopt_step_(w, avg - w, m, v, lr=lr, beta1=beta1, tau=tau,
+                                                         update_v=self.update_v),
+                      global_params, in_order(average, global_params), in_order(m, global_params),
+                      in_order(v, global_params))
 
 
 class FedAdam(FedOpt):

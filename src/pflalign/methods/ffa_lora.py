@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..params import is_lora_a
-from .base import Message, Params, RoundContext, Scratch, State
+from .base import Message, Params, RoundContext, Scratch, State, clone
 from .fedavg import FedAvg
 
 
@@ -42,10 +42,11 @@ class FFALoRA(FedAvg):  # FedAvg's step (which skips what `trains` freezes) on B
         return not is_lora_a(name)  # A is frozen: FedAvg's local step leaves it as it is
 
     def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:
-        return {"params": {n: w.detach().clone() for n, w in params.items() if not is_lora_a(n)}}
+        return {"params": clone({n: w for n, w in params.items() if not is_lora_a(n)})}  # (one concatenation on CUDA)
 
     def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
                            server_state: State, ctx: RoundContext) -> Params:
         averaged = sums["params"]  # Σ_k p_k B_k (FedAvg's sum: the uploads hold no A)
         # A is copied, not averaged: Σ_k p_k A could differ from A in the last bit.
-        return {n: w.clone() if is_lora_a(n) else averaged[n] for n, w in global_params.items()}
+        frozen_a = clone({n: w for n, w in global_params.items() if is_lora_a(n)})
+        return {n: frozen_a[n] if is_lora_a(n) else averaged[n] for n in global_params}

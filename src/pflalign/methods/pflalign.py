@@ -46,7 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import GradFn, Message, Params, Scratch, State, StepContext, aligned, clone, zeros_like
+from .base import (GradFn, Message, Params, Scratch, State, StepContext, aligned, clone, detached, in_order, mapped,
+                   zeros_like)
 from .fedavg import FedAvg
 
 GAMMA_RULES = ("erf", "zero", "const", "hard")
@@ -191,10 +192,11 @@ class PFLAlign(FedAvg):  # FedAvg's server rule, its own client rule
                                   ("steps", "step_ratio", "step_norm", "correction_norm", "gamma_sum", "gamma_count")}
         # in the adapter's order: a state read back from a file may hold its tensors in another, and
         # the order of a sum decides its last bits
-        scratch["round_stats"]["delta_norm"] = _norm(state["delta"][n] for n in global_params)
+        delta = in_order(state["delta"], global_params)
+        scratch["round_stats"]["delta_norm"] = _norm(t for (t,) in aligned(delta))  # (flat on CUDA)
         if not self.args.personal_init:
             return clone(global_params)
-        return {n: w + state["delta"][n] for n, w in global_params.items()}
+        return mapped(torch.add, global_params, delta)  # w^r + Δ_k
 
     @torch.no_grad()
     def local_step(self, params: Params, grad_fn: GradFn, state: State, ctx: StepContext) -> float:
@@ -239,20 +241,22 @@ class PFLAlign(FedAvg):  # FedAvg's server rule, its own client rule
             out["correction_norm"] = stats["correction_norm"] / steps
             out["gamma_mean"] = stats["gamma_sum"] / stats["gamma_count"]
         if self.args.precondition:
-            P = torch.cat([state["P"][n].detach().reshape(-1) for n in params])  # the adapter's order (above)
+            # in the adapter's order (above); one piece on CUDA
+            P = torch.cat([t.detach().reshape(-1) for (t,) in aligned(in_order(state["P"], params))])
             k90 = max(1, math.ceil(0.9 * P.numel()))
             out.update(P_mean=P.mean(dtype=torch.float64), P_median=P.median(),
                        P_p90=P.kthvalue(k90).values, P_max=P.max())
         return {key: float(value) for key, value in out.items()}
 
     def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:
-        for n, w in params.items():  # in place: Δ_k stays one flat buffer (params.empty_like)
-            torch.sub(w.detach(), global_params[n], out=state["delta"][n])
+        # in place: Δ_k stays one flat buffer (params.empty_like); one subtraction on CUDA
+        for delta, w, w_r in aligned(in_order(state["delta"], params), detached(params), in_order(global_params, params)):
+            torch.sub(w, w_r, out=delta)
         return {"params": clone(params)}
 
     def personalized_after_aggregation(self, global_params: Params, personalized: Params, state: State) -> Params:
         if self.args.personalized == "after_aggregation":  # w^R + Δ_k
-            return {n: w + state["delta"][n] for n, w in global_params.items()}
+            return mapped(torch.add, global_params, in_order(state["delta"], global_params))
         return personalized
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from .base import (GradFn, Message, Method, Params, RoundContext, Scratch, State, StepContext, WeightedSum, clone,
-                   aligned, equal_weights, zeros_like)
+                   aligned, detached, equal_weights, in_order, mapped, zeros_like)
 
 
 def scaffold_direction(g: torch.Tensor, c_k: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -76,11 +76,13 @@ class Scaffold(Method):
 
     def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:
         lr_sum = float(scratch["lr_sum"])  # K η
-        delta_c = {}
-        for n, w in params.items():
-            c_new = scaffold_control(state["c"][n], scratch["server_c"][n], global_params[n], w.detach(), lr_sum)
-            delta_c[n] = c_new - state["c"][n]
-            state["c"][n] = c_new
+        # in the adapter's order, so that on CUDA each line below is one operation over flat buffers
+        c_k, c = in_order(state["c"], params), in_order(scratch["server_c"], params)
+        c_new = mapped(lambda c_k, c, w_r, w: scaffold_control(c_k, c, w_r, w, lr_sum),
+                       c_k, c, in_order(global_params, params), detached(params))
+        delta_c = mapped(torch.sub, c_new, c_k)
+        for old, new in aligned(c_k, c_new):  # in place: c_k stays one flat buffer
+            old.copy_(new)
         return {"params": clone(params), "delta_c": delta_c}
 
     # ---- server ---------------------------------------------------------------
@@ -98,8 +100,9 @@ class Scaffold(Method):
     def finish_aggregation(self, global_params: Params, sums: dict[str, Params], weights: list[float],
                            server_state: State, ctx: RoundContext) -> Params:
         participants = len(weights)
-        for n, c in server_state["c"].items():
-            c.add_(sums["delta_c"][n], alpha=participants / ctx.num_clients)
+        c = server_state["c"]
+        for c_piece, delta_c in aligned(c, in_order(sums["delta_c"], c)):
+            c_piece.add_(delta_c, alpha=participants / ctx.num_clients)
         return sums["params"]
 
     def needs_each_upload(self) -> str | None:

@@ -21,7 +21,7 @@ import torch
 from ..model.base_cache import base_generations
 from ..errors import TrainingDiverged, UserError
 from ..evaluate import generate, rouge_l
-from ..methods.base import Message, Method, Params, State, StepContext, aligned, zeros_like
+from ..methods.base import Message, Method, Params, State, StepContext, aligned, in_order, zeros_like
 from ..optim import make_optimizer, round_lr
 from ..data.clients import ClientShare
 from ..prompts import IGNORE, Encoded, batch_indices, collate_train, encode_prompt, encode_train
@@ -241,7 +241,7 @@ class LocalRound:
         personalized = method.personalized(global_params, live, state)
         sent = message.get("params")
         if sent is not None and sent.keys() == personalized.keys() and all(
-                torch.equal(sent[n], p) for n, p in personalized.items()):
+                torch.equal(a, b) for a, b in aligned(sent, in_order(personalized, sent))):  # (one sync on CUDA)
             # the adapter sent is the personalized one (w_{k,T} for most methods): hold it once,
             # 19.5 MB per client for SmolLM2 (aggregation only reads its messages: tested)
             personalized = sent

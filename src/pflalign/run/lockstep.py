@@ -36,13 +36,16 @@ import torch
 from .client import ClientRound, LocalRound
 from ..errors import TrainingDiverged, UserError
 from ..methods.base import Message, Method, Params, State
-from ..params import aligned, clone
+from .. import params as params_module
+from ..params import aligned, clone, detached, empty_like, in_order
 
 
-def own_adapter(like: Params) -> Params:
-    """A client's live adapter for the shared pass: a copy of `like` (one flat buffer: its
-    tensors share one version counter) whose tensors are leaves that collect their gradient."""
-    live = clone(like)
+def own_adapter(like: Params, copy: bool = True) -> Params:
+    """A client's live adapter for the shared pass: a copy of `like` (one flat buffer: its tensors
+    share one version counter) whose tensors are leaves that collect their gradient; with
+    copy=False shaped as `like` only, uninitialised (for `member`: `LocalRound` loads the round's
+    start into it before any step, so a copy would be a copy per tensor for nothing)."""
+    live = clone(like) if copy else empty_like(detached(like))
     for t in live.values():
         t.requires_grad_(True)
     return live
@@ -58,7 +61,13 @@ def _loader(live: Params) -> Callable[[Params], None]:
     def load(params: Params) -> None:
         if params.keys() != live.keys():
             raise ValueError("adapter keys differ from the model's")
-        for p, value in aligned(live, params):  # (one copy over flat buffers on CUDA)
+        pieces = aligned(live, in_order(params, live))
+        if len(pieces) > 1 and next(iter(live.values())).device.type in params_module.FLAT_DEVICES:
+            # a start that is not one flat buffer (FedSA-LoRA's own B with the global A): one
+            # multi-tensor copy rather than a launch per tensor
+            torch._foreach_copy_([p for p, _ in pieces], [value for _, value in pieces])
+            return
+        for p, value in pieces:  # (one copy over flat buffers on CUDA)
             p.copy_(value)
     return load
 
@@ -118,7 +127,7 @@ def member(method: Method, state: State, global_params: Params, received: Messag
     if any(not isinstance(b, dict) for b in batches):  # engine.check_batch refuses it before a run starts
         raise UserError("batched clients do not take gradient accumulation yet "
                         "(optimizer.grad_accumulation > 1): run without --batch")
-    live = own_adapter(like)
+    live = own_adapter(like, copy=False)
     with _named(name):
         steps = LocalRound(method, state, global_params, received, len(batches), lr, round_index, optimizer,
                            live, _loader(live))
