@@ -54,6 +54,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -813,6 +814,19 @@ def updates(device: str, tiny: bool, archs=BATCHED_ARCHS) -> dict:
     return for_each_arch(archs, device, one)
 
 
+def files(device: str, tiny: bool) -> dict:
+    """Each client's record kept between its rounds, to and from its file or in memory, and the
+    run's checkpoint, at the real adapters' sizes, per Table 1 method (benchmarks/client_files.py;
+    on this machine's host and disk: the files are written there whatever the device)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import client_files
+
+    if tiny:  # the CPU test of this script: two methods at SmolLM2's sizes, once
+        return client_files.measure(device, ("smollm2-135m",), ("pflalign", "fedavg"), repeats=1)
+    return client_files.measure(device, BATCHED_ARCHS)
+
+
 # One run's final scoring at the protocol's test splits (`scoring`): the architecture and the
 # dataset whose Table 1 targets issue 55 sets, each decoding mode (how the models take turns, rows)
 SCORING_CASES = (("smollm2-135m", "dolly"), ("llama-3.2-1b", "flan"))
@@ -917,7 +931,7 @@ def scoring(device: str, tiny: bool, cases=SCORING_CASES) -> dict:
 
 
 def bill_batched(batched_rows: dict, speed_rows: dict, scoring_rows: dict | None = None,
-                 updates_rows: dict | None = None) -> dict:
+                 updates_rows: dict | None = None, files_rows: dict | None = None) -> dict:
     """Projected device time of a 33-run Table 1 trained in lockstep, from the ``batched`` figures.
 
     ``clients`` (what --batch clients does today): each run's 4 clients share a pass, the runs one
@@ -931,8 +945,12 @@ def bill_batched(batched_rows: dict, speed_rows: dict, scoring_rows: dict | None
     once at the ``speed`` section's generation rate (64 rows; EVAL_NEW_TOKENS each: an upper
     bound). Where the ``updates`` section measured the architecture, each client step's work outside
     the pass is added (``updates_minutes``, flat as on CUDA): the GSNR sums in every run, pFLAlign's
-    update in its 3 runs (the other methods' SGD step is in the ``batched`` rates). Model building,
-    data, aggregation and checkpoints are left out.
+    update in its 3 runs (the other methods' SGD step is in the ``batched`` rates). Where the
+    ``files`` section measured the architecture, the clients' records between rounds are added
+    (``records_minutes``: in memory, CUDA's default, plus a checkpoint with each client's file per
+    minute of the rest, ``--checkpoint-every`` 60; ``records_minutes_every_round``: every record
+    through its file and a checkpoint every round, as before 2026-11-28, for comparison). Model
+    building, data and aggregation are left out.
     Targets: the Dolly Table 1 at SmolLM2-135M <= 12 minutes, LLaMA-3.2-1B's FLAN one <= 1 hour."""
     out = {"doc": bill_batched.__doc__}
     steps = ROUNDS * LOCAL_STEPS
@@ -965,11 +983,30 @@ def bill_batched(batched_rows: dict, speed_rows: dict, scoring_rows: dict | None
                                            + 3 * work["pflalign_step_flat"]["ms"]) / 1e3
         clients_s = steps * TABLE1_RUNS * CLIENTS * tokens / rates[CLIENTS] + sam_s + updates_s
         runs_s = steps * TABLE1_RUNS * CLIENTS * tokens / rates[widest] + sam_s + updates_s
-        out[f"{name} {dataset}"] = {
+        records = records_minutes((files_rows or {}).get(name, {}), (clients_s + eval_s) / 60)
+        if records:
+            clients_s += 60 * records["records_minutes"]
+            runs_s += 60 * records_minutes(files_rows[name], (runs_s + eval_s) / 60)["records_minutes"]
+        out[f"{name} {dataset}"] = {**records,
             "adapters_per_pass_measured": widest, "eval_minutes": eval_s / 60, "eval_from": eval_from,
             "eval_minutes_by_mode": {key: v / 60 for key, v in by_mode.items()}, "updates_minutes": updates_s / 60,
             "clients_minutes": (clients_s + eval_s) / 60, "runs_minutes": (runs_s + eval_s) / 60}
     return out
+
+
+def records_minutes(files_row: dict, other_minutes: float) -> dict:
+    """The clients' records of Table 1 between rounds from a ``files`` row (client_files.py):
+    held in memory (its ``in_memory_minutes``) plus, per minute of the rest of the bill
+    (`other_minutes`), one checkpoint and each client's file written (--checkpoint-every 60), at
+    the mean over the methods; {} when the row has no such figures."""
+    table1 = files_row.get("table1", {})
+    methods = [v for v in files_row.values() if isinstance(v, dict) and "files_s" in v]
+    if "in_memory_minutes" not in table1 or not methods:
+        return {}
+    # a checkpoint: the run's file, then each client's record written (`ClientStore.flush`)
+    per_checkpoint = statistics.mean(m["checkpoint_s"] + CLIENTS * m["files_save_s"] for m in methods)
+    return {"records_minutes": table1["in_memory_minutes"] + other_minutes * per_checkpoint / 60,
+            "records_minutes_every_round": table1["every_round_minutes"]}
 
 
 # --- the bill -------------------------------------------------------------------------------
@@ -1016,7 +1053,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (tiny shapes, the test)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpu.json"))
-    parser.add_argument("--sections", default="matmul_peak,correctness,speed,hf_anchor,batched,updates,scoring,bill")
+    parser.add_argument("--sections",
+                        default="matmul_peak,correctness,speed,hf_anchor,batched,updates,scoring,files,bill")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--batched-archs", default=",".join(BATCHED_ARCHS),
                         help="the architectures of the batched section (a short call: smollm2-135m)")
@@ -1084,11 +1122,14 @@ def main(argv=None) -> int:
     if "scoring" in sections:
         section(report, "scoring", scoring, device, tiny)
         save()
+    if "files" in sections:
+        section(report, "files", files, device, tiny)
+        save()
     if "bill" in sections:
         section(report, "bill", bill, report.get("speed", {}))
         if "batched" in report:
             section(report, "bill_batched", bill_batched, report["batched"], report.get("speed", {}),
-                    report.get("scoring"), report.get("updates"))
+                    report.get("scoring"), report.get("updates"), report.get("files"))
     save()
     log(f"wrote {args.out} in {report['total_seconds']} s")
     return 0

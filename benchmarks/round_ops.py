@@ -43,7 +43,8 @@ from pflalign.run.lifecycle import Recorder  # noqa: E402
 from pflalign.run.server import Server  # noqa: E402
 
 ROUNDS, LOCAL_STEPS = 2, 5
-METHODS = ("pflalign", "fedavg", "scaffold", "fedsam")
+METHODS = ("pflalign", "fedavg", "fedprox", "fedsam", "scaffold", "feddyn", "fedyogi", "fedgloss", "ffa-lora", "fedsa-lora",
+           "fedsvd")  # Table 1's eleven
 
 # (owner, attribute, phase): every call of owner.attribute counts its operations under phase
 PHASES = [

@@ -315,3 +315,109 @@ def test_resume_after_a_corrupt_checkpoint_uses_the_previous_one(tmp_path, confi
         run(None, out, resume=True, progress=False)
     assert any("resuming from checkpoint.prev.pt (after round 2)" in r.getMessage() for r in caplog.records)
     assert_same_run(out, uninterrupted)
+
+
+# ---- checkpoints every N seconds (--checkpoint-every; CUDA's default) ------------------------
+def test_checkpoints_every_n_seconds_keep_the_records_in_memory_and_train_the_same_run(tmp_path, config_file,
+                                                                                      uninterrupted, monkeypatch):
+    """With a checkpoint due only every hour: no client file and no checkpoint is written until the
+    run's last round (the clients' records wait in memory, each client's older record dropped
+    unwritten), and the run is the every-round run bit for bit, files included."""
+    from pflalign.run import client_store, engine
+
+    writes, saves = [], []
+    write = client_store.ClientStore._write
+    monkeypatch.setattr(client_store.ClientStore, "_write",
+                        lambda self, k, name, *a: writes.append(name) or write(self, k, name, *a))
+    save = engine.Recorder.save
+    monkeypatch.setattr(engine.Recorder, "save", lambda self, r, payload: saves.append(r) or save(self, r, payload))
+    out = tmp_path / "run"
+    run(build_config(str(config_file)), out, progress=False, checkpoint_every=3600)
+    rounds = CRASH_CONFIG["rounds"]
+    assert saves == [rounds]
+    named = sorted(r["file"] for r in ckpt.load_run_checkpoint(out)["client_records"])
+    assert sorted(writes) == named and all(name.endswith(f".r{rounds}.safetensors") for name in named)
+    assert_same_run(out, uninterrupted)
+
+
+def test_a_session_stopped_between_checkpoints_saves_its_last_round_and_resumes_to_the_same_run(
+        tmp_path, config_file, uninterrupted):
+    """`--stop-after-rounds` ends a session with a checkpoint though none was due; the resumed run is
+    the uninterrupted one."""
+    out = tmp_path / "run"
+    assert run(build_config(str(config_file)), out, progress=False, stop_after=2, checkpoint_every=3600) is None
+    assert ckpt.load_run_checkpoint(out)["rounds_done"] == 2
+    run(None, out, resume=True, progress=False, checkpoint_every=3600)
+    assert_same_run(out, uninterrupted)
+
+
+def test_ctrl_c_after_rounds_not_yet_saved_names_the_saved_round_and_the_lost_ones(tmp_path, config_file,
+                                                                                 uninterrupted, monkeypatch):
+    """An interrupt in round 4 when only round 1 was saved: the folder is as after round 1 (its
+    metrics lines, no client file of a later round named), the message says which rounds train again,
+    and the resumed run is the uninterrupted one."""
+    from pflalign.errors import RunInterrupted
+    from pflalign.run import engine
+
+    train_round = engine.Federation.train_round
+
+    def stop_in_round_4(self, r):
+        if r == 3:
+            raise KeyboardInterrupt
+        return train_round(self, r)
+
+    monkeypatch.setattr(engine.Federation, "checkpoint_due", lambda self, r, last: last or r == 0)
+    monkeypatch.setattr(engine.Federation, "train_round", stop_in_round_4)
+    out = tmp_path / "run"
+    with pytest.raises(RunInterrupted) as info:
+        run(build_config(str(config_file)), out, progress=False, checkpoint_every=50)
+    assert str(info.value).startswith("interrupted during round 4 of 4; round 1 is the last saved (rounds 2-3 "
+                                      "finished since its checkpoint, --checkpoint-every, and are trained again)")
+    assert ckpt.load_run_checkpoint(out)["rounds_done"] == 1
+    rows = [json.loads(line) for line in (out / ckpt.METRICS).read_text().splitlines()]
+    assert max(r["round"] for r in rows) == 0
+    monkeypatch.undo()
+    run(None, out, resume=True, progress=False)
+    assert_same_run(out, uninterrupted)
+
+
+def test_records_held_in_memory_come_back_as_copies_and_go_to_their_files_when_flushed(tmp_path):
+    from pflalign import params as P
+    from pflalign.run.client_store import ClientStore
+
+    adapter = P.clone({"x.lora_A": torch.ones(2, 3), "x.lora_B": torch.zeros(3, 2)})
+    state = {"v": P.clone(adapter)}
+    size = 2 * sum(t.numel() * 4 for t in adapter.values())  # one client's state and personalized adapter
+    store = ClientStore(tmp_path, ["a", "b", "c"], memory_bytes=2 * size)
+    (tmp_path / "clients").mkdir()
+    for k in range(3):  # the third goes over the bound: to its file at once
+        store.save(k, 1, {"v": P.clone(adapter)}, P.clone(adapter))
+    assert sorted(p.name for p in (tmp_path / "clients").iterdir()) == ["2.r1.safetensors"]
+    with pytest.raises(RuntimeError):
+        store.table()  # a checkpoint may not name files not yet written
+    loaded, personalized = store.load(0, "cpu", list(adapter))
+    loaded["v"]["x.lora_A"].add_(1.0)  # the round changes its copy in place ...
+    again, _ = store.load(0, "cpu", list(adapter))
+    assert torch.equal(again["v"]["x.lora_A"], state["v"]["x.lora_A"])  # ... not the record
+    assert P.flat_buffer(again["v"]) is not None and torch.equal(personalized["x.lora_B"], adapter["x.lora_B"])
+    store.save(0, 2, loaded, personalized)  # client 0's round 2 replaces its unwritten round 1
+    store.flush()
+    assert sorted(p.name for p in (tmp_path / "clients").iterdir()) == ["0.r2.safetensors", "1.r1.safetensors",
+                                                                       "2.r1.safetensors"]
+    table = store.table()
+    for row in table:
+        data = (tmp_path / "clients" / row["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == row["sha256"]
+    fresh = ClientStore(tmp_path, ["a", "b", "c"])
+    fresh.restore(table)
+    state0, _ = fresh.load(0, "cpu", list(adapter))
+    assert torch.equal(state0["v"]["x.lora_A"], loaded["v"]["x.lora_A"])
+
+
+def test_checkpoint_interval_defaults_by_device_and_refuses_a_negative_one():
+    from pflalign.run.engine import checkpoint_interval
+
+    assert checkpoint_interval(None, "cpu") == 0.0 and checkpoint_interval(None, "cuda:1") == 60.0
+    assert checkpoint_interval(5, "cpu") == 5.0
+    with pytest.raises(UserError, match="--checkpoint-every must be >= 0"):
+        checkpoint_interval(-1, "cpu")

@@ -76,6 +76,16 @@ def test_batched_bill_by_hand(gpu):
     updates = 250 * 4 * (33 * 2.0 + 3 * 5.0) / 1e3
     assert out["smollm2-135m dolly"]["updates_minutes"] == pytest.approx(updates / 60)
     assert out["smollm2-135m dolly"]["runs_minutes"] == pytest.approx(row["runs_minutes"] + updates / 60)
+    # with the records measured: in memory for the whole table, plus per minute of the rest one
+    # checkpoint and 4 clients' files written, at the methods' mean
+    kept = {"pflalign": {"files_s": 0.6, "files_save_s": 0.4, "checkpoint_s": 0.1},
+            "fedavg": {"files_s": 0.2, "files_save_s": 0.1, "checkpoint_s": 0.1},
+            "table1": {"in_memory_minutes": 1.5, "every_round_minutes": 20.0}}
+    with_records = gpu.bill_batched({"smollm2-135m": {"dolly": rates}}, {}, {"smollm2-135m dolly": scored},
+                                    {"smollm2-135m": work}, {"smollm2-135m": kept})["smollm2-135m dolly"]
+    rest = out["smollm2-135m dolly"]["runs_minutes"]
+    assert with_records["runs_minutes"] == pytest.approx(rest + 1.5 + rest * (0.1 + 4 * 0.25) / 60)
+    assert with_records["records_minutes_every_round"] == 20.0
 
 
 def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
@@ -132,6 +142,12 @@ def test_the_script_runs_on_cpu(gpu, tmp_path, monkeypatch):
         for mode, rows in gpu.SCORING_MODES:
             assert row[f"{mode}_rows{rows}"]["tokens_per_s"] > 0 and row[f"{mode}_rows{rows}"]["rows"] == 64
     assert report["bill_batched"]["smollm2-135m dolly"]["eval_from"] in [f"{m}_rows{r}" for m, r in gpu.SCORING_MODES]
+    # files: a client's record through its file and kept in memory, and the checkpoint, per method
+    for method in ("pflalign", "fedavg"):
+        cells = report["files"]["smollm2-135m"][method]
+        assert cells["files_s"] > 0 and cells["memory_s"] > 0 and cells["checkpoint_s"] > 0
+    assert report["files"]["smollm2-135m"]["pflalign"]["file_mb"] == pytest.approx(4 * 19.54, rel=1e-3)
+    assert report["bill_batched"]["smollm2-135m dolly"]["records_minutes"] > 0
     anchor = report["hf_anchor"]
     assert len(anchor) == len(gpu.HF_SHAPES)
     for key, row in anchor.items():

@@ -420,9 +420,10 @@ def test_flat_updates_train_exactly_what_tensor_by_tensor_updates_train(tmp_path
     preconditioned = method.startswith("pflalign")
     assert preconditioned == bool(sizes) and all(s == (total,) for s in sizes)
     # every method that steps through the optimizer does it once over the flat buffers, where it
-    # trains every tensor (FFA-LoRA and FedSVD keep A frozen: tensor by tensor)
-    descends = not preconditioned and method != "scaffold"
-    assert set(flat_steps) == ({method not in ("ffa-lora", "fedsvd")} if descends else set()), set(flat_steps)
+    # trains every tensor; FFA-LoRA and FedSVD keep A frozen: their B in one multi-tensor update
+    # (SGD.descend_each), no step tensor by tensor
+    descends = not preconditioned and method not in ("scaffold", "ffa-lora", "fedsvd")
+    assert set(flat_steps) == ({True} if descends else set()), set(flat_steps)
 
 
 def test_a_clients_file_loads_each_group_as_one_flat_buffer_in_the_adapters_order():
@@ -535,11 +536,11 @@ def test_flat_updates_take_as_many_operations_for_any_number_of_tensors(method, 
     """Where updates run flat (CUDA, each operation a kernel launch), a client round's start, its end,
     its measurements and the server's aggregation dispatch as many operations for 12 LoRA pairs as for
     3: nothing in them runs once per tensor (pFLAlign's w^r + Δ_k and Δ_k = w_T − w^r, SCAFFOLD's
-    control variates, FedSA-LoRA's and FFA-LoRA's subsets, the server rules). Nor does the step,
-    except where A is frozen (FFA-LoRA, FedSVD: tensor by tensor) and FedSVD's server, which
-    factorises each pair's product."""
+    control variates, FedSA-LoRA's and FFA-LoRA's subsets, the server rules). Nor does the step
+    (FFA-LoRA's and FedSVD's B: one multi-tensor update); only FedSVD's server, which factorises
+    each pair's product."""
     few, many = (_hook_operations(method, pairs, monkeypatch) for pairs in (3, 12))
-    per_tensor = {"ffa-lora": {"step"}, "fedsvd": {"step", "aggregation"}}.get(method, set())
+    per_tensor = {"fedsvd": {"aggregation"}}.get(method, set())
     for hook in ("client start", "step", "metrics", "client end", "aggregation"):
         if hook not in per_tensor:
             assert many[hook] == few[hook], (hook, few[hook], many[hook])

@@ -106,7 +106,7 @@ def test_runs_on_other_bases_train_in_groups_of_their_own(sweep_file, tmp_path, 
     groups = []
     real = together.run_together
     monkeypatch.setattr(together, "run_together",
-                        lambda planned, progress: groups.append(len(planned)) or real(planned, progress))
+                        lambda planned, *a: groups.append(len(planned)) or real(planned, *a))
     run_sweep(runs, progress=False, batch="runs")
     assert groups == [1, 1]
 

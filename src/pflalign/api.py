@@ -40,7 +40,8 @@ def config(preset: str | None = None, overrides: dict | None = None):
 
 
 def run(cfg, out: str | Path, resume: bool = False, overwrite: bool = False, progress: bool = True,
-        workers: int = 1, allow_recipe_change: bool = False, batch: str = "auto") -> dict:
+        workers: int = 1, allow_recipe_change: bool = False, batch: str = "auto",
+        checkpoint_every: float | None = None) -> dict:
     """Run `cfg` into the folder `out` (as ``pflalign run``; `resume` continues an unfinished run
     there with its saved config) and return its results (results.json's dict). `workers` > 1: a
     round's clients train in that many one-thread processes (``--workers``); `batch` "clients":
@@ -49,7 +50,8 @@ def run(cfg, out: str | Path, resume: bool = False, overwrite: bool = False, pro
     bars on stderr, as ``pflalign run`` shows them (minutes of silence look like a hang); False
     silences them, transformers' own bars too for the call (``--no-progress``).
     `allow_recipe_change`: resume though the saved config's training settings are not those its
-    checkpoint was trained with (``--allow-recipe-change``)."""
+    checkpoint was trained with (``--allow-recipe-change``). `checkpoint_every`: seconds between
+    checkpoints (``--checkpoint-every``; default every round on the CPU, every 60 s on CUDA)."""
     from transformers.utils import logging as hf_logging
 
     from .run.engine import run as run_engine
@@ -59,7 +61,7 @@ def run(cfg, out: str | Path, resume: bool = False, overwrite: bool = False, pro
         hf_logging.disable_progress_bar()
     try:
         return run_engine(cfg, Path(out), resume=resume, overwrite=overwrite, progress=progress, workers=workers,
-                          allow_recipe_change=allow_recipe_change, batch=batch)
+                          allow_recipe_change=allow_recipe_change, batch=batch, checkpoint_every=checkpoint_every)
     finally:
         if bars and not progress:
             hf_logging.enable_progress_bar()

@@ -62,7 +62,8 @@ def cmd_run(args) -> int:
         quiet_library_bars()
     results = run(cfg, Path(args.out), resume=args.resume, overwrite=args.overwrite,
                   stop_after=args.stop_after_rounds, progress=not args.no_progress, workers=args.workers,
-                  allow_recipe_change=args.allow_recipe_change, batch=args.batch)
+                  allow_recipe_change=args.allow_recipe_change, batch=args.batch,
+                  checkpoint_every=args.checkpoint_every)
     if results is None:
         print(f"stopped after the requested rounds; continue with: pflalign run --out {args.out} --resume")
         return 0
@@ -99,7 +100,8 @@ def cmd_sweep(args) -> int:
 
     try:
         with RunLock(Path(args.out), "sweep"):  # one sweep at a time in a folder (each run also locks its own)
-            run_sweep(runs, progress=not args.no_progress, workers=args.workers, batch=args.batch)
+            run_sweep(runs, progress=not args.no_progress, workers=args.workers, batch=args.batch,
+                      checkpoint_every=args.checkpoint_every)
     except KeyboardInterrupt:
         print("pflalign: interrupted; rerun the same sweep command to continue where it stopped", file=sys.stderr)
         return 130
@@ -164,6 +166,11 @@ BATCH_HELP = ("clients: train a round's clients in lockstep, local step t of all
               "with --workers > 1 or gradient accumulation); none: one at a time; default auto: on CUDA the "
               "clients train in lockstep (measured faster there) and are scored one model at a time; none "
               "elsewhere")
+CHECKPOINT_EVERY_HELP = ("save the run's checkpoint (and the clients' records, held in memory between) when "
+                         "SECONDS have passed since the last one, and after the last round; 0: after every round. "
+                         "Default: every round on the CPU, every 60 s on CUDA, where a round takes about a second and "
+                         "writing the clients' files every round would take longer than training them. A crash or "
+                         "Ctrl-C loses at most the rounds since; results are the same either way")
 SWEEP_BATCH_HELP = BATCH_HELP.replace("; default auto", "; runs: the runs that share a base model together, "
                                       "every client of every run in lockstep; default auto")
 
@@ -188,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bars (log lines instead)")
     run.add_argument("--workers", type=int, default=1, metavar="N", help=WORKERS_HELP)
     run.add_argument("--batch", choices=BATCH_CHOICES, default="auto", help=BATCH_HELP)
+    run.add_argument("--checkpoint-every", type=float, metavar="SECONDS", help=CHECKPOINT_EVERY_HELP)
     run.set_defaults(func=cmd_run)
 
     sweep = sub.add_parser("sweep", help="run a grid of datasets x methods x seeds, skipping finished runs")
@@ -205,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--no-progress", action="store_true", help="no progress bars")
     sweep.add_argument("--workers", type=int, default=1, metavar="N", help=WORKERS_HELP)
     sweep.add_argument("--batch", choices=BATCH_CHOICES + ("runs",), default="auto", help=SWEEP_BATCH_HELP)
+    sweep.add_argument("--checkpoint-every", type=float, metavar="SECONDS", help=CHECKPOINT_EVERY_HELP)
     sweep.set_defaults(func=cmd_sweep)
 
     rescore = sub.add_parser("rescore", help="score a finished run's models again under other evaluation settings")

@@ -47,6 +47,7 @@ import math
 
 import torch
 
+from . import params as params_module
 from .settings import OPTIMIZERS, SCHEDULES
 
 
@@ -64,6 +65,16 @@ class SGD:
 
     def descend(self, name: str, w: torch.Tensor, d: torch.Tensor, lr: float) -> None:
         w.add_(d, alpha=-lr)
+
+    def descend_each(self, pieces: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
+        """`descend` on each (name, w, d): one multi-tensor update where each operation is a kernel
+        launch (a device of `params.FLAT_DEVICES`: tensors that are not one flat buffer, FFA-LoRA's
+        B), the same arithmetic; else one by one."""
+        if len(pieces) > 1 and pieces[0][1].device.type in params_module.FLAT_DEVICES:
+            torch._foreach_add_([w for _, w, _ in pieces], [d for _, _, d in pieces], alpha=-lr)
+            return
+        for name, w, d in pieces:
+            self.descend(name, w, d, lr)
 
 
 class AdamW:
@@ -87,6 +98,10 @@ class AdamW:
         step_size = lr / (1 - self.beta1 ** t)
         denominator = (v.sqrt() / math.sqrt(1 - self.beta2 ** t)).add_(self.eps)
         w.addcdiv_(m, denominator, value=-step_size)
+
+    def descend_each(self, pieces: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
+        for name, w, d in pieces:  # per tensor: each has its moments by name
+            self.descend(name, w, d, lr)
 
 
 def make_optimizer(settings) -> SGD | AdamW:

@@ -110,6 +110,18 @@ def in_order(params: Params, names) -> Params:
     return {n: params[n] for n in names}
 
 
+@torch.no_grad()
+def copy_each(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """targets[i] ← sources[i] for every i: one multi-tensor copy (`torch._foreach_copy_`) on a
+    device of `FLAT_DEVICES`, where a copy per tensor is a launch each (the model's own adapter,
+    which PEFT allocates tensor by tensor, is no flat buffer to copy once); else one by one."""
+    if targets and targets[0].device.type in FLAT_DEVICES:
+        torch._foreach_copy_(list(targets), list(sources))
+        return
+    for t, s in zip(targets, sources, strict=True):
+        t.copy_(s)
+
+
 def detached(params: Params) -> Params:
     """`params`' tensors detached from autograd (views: an adapter's live leaves as plain tensors)."""
     return {n: t.detach() for n, t in params.items()}

@@ -371,7 +371,8 @@ def _check_same_config(run: PlannedRun) -> None:
                         f"use another --out or remove that run")
 
 
-def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1, batch: str = "auto") -> list[dict]:
+def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1, batch: str = "auto",
+              checkpoint_every: float | None = None) -> list[dict]:
     """Run the planned runs one after another (`workers`, `batch`: engine.run's; "runs": those that
     share a base model together, `run_together`); returns each finished one's results. A run whose
     training reaches a non-finite value stops (engine.run keeps its last checkpoint) and the sweep
@@ -380,7 +381,7 @@ def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1, b
     from .run.engine import run as run_one
 
     if batch == "runs":
-        return run_together(runs, progress, workers)
+        return run_together(runs, progress, workers, checkpoint_every)
     bar = tqdm(total=len(runs), desc="sweep", unit="run", disable=not progress)
     say = tqdm.write if progress else print
     width = len(str(len(runs)))
@@ -398,7 +399,7 @@ def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1, b
             # a 'new' run may hold leftovers of a first round that never finished: start afresh
             try:
                 results = run_one(None if resume else r.cfg, r.out, resume=resume, overwrite=not resume,
-                                  progress=progress, workers=workers, batch=batch)
+                                  progress=progress, workers=workers, batch=batch, checkpoint_every=checkpoint_every)
             except TrainingDiverged as exc:
                 say(f"{head}: stopped after {(time.perf_counter() - tic) / 60:.1f} min: {exc}")
                 stopped.append(f"{r.key} ({exc})")
@@ -416,7 +417,8 @@ def run_sweep(runs: list[PlannedRun], progress: bool = True, workers: int = 1, b
     return all_results
 
 
-def run_together(runs: list[PlannedRun], progress: bool = True, workers: int = 1) -> list[dict]:
+def run_together(runs: list[PlannedRun], progress: bool = True, workers: int = 1,
+                 checkpoint_every: float | None = None) -> list[dict]:
     """`run_sweep` with ``--batch runs``: the unfinished runs that share a base model (`base_key`:
     model, dtype, device, LoRA settings) train in lockstep, one group after another
     (`pflalign.run.together`); finished runs are skipped, a run that diverges stops alone, as in
@@ -441,7 +443,7 @@ def run_together(runs: list[PlannedRun], progress: bool = True, workers: int = 1
             + ", ".join(runs[i].key for i in members))
         tic = time.perf_counter()
         outcomes = train_together([(runs[i].cfg, runs[i].out, runs[i].state() == "unfinished") for i in members],
-                                  progress)
+                                  progress, checkpoint_every)
         minutes = (time.perf_counter() - tic) / 60
         for i, outcome in zip(members, outcomes):
             if isinstance(outcome, TrainingDiverged):

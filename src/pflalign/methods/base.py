@@ -90,6 +90,11 @@ class StepContext:
         AdamW's step on d with adamw (pflalign.optim)."""
         self.optimizer.descend(name, w, direction, self.lr)
 
+    def descend_each(self, pieces: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """`descend` on each (name, w, direction): with SGD on CUDA one multi-tensor update
+        (`SGD.descend_each`; the tensors a method trains when it trains only some, FFA-LoRA's B)."""
+        self.optimizer.descend_each(pieces, self.lr)
+
 
 @dataclass
 class RoundContext:

@@ -32,8 +32,8 @@ class FedAvg(Method):
         the flat buffers when it trains them all (`aligned_named`)."""
         loss, grads = grad_fn()
         trained = {n: w for n, w in params.items() if self.trains(n)}
-        for n, (w, g) in aligned_named(params if len(trained) == len(params) else trained, grads):
-            ctx.descend(n, w, g)
+        ctx.descend_each([(n, w, g) for n, (w, g) in aligned_named(params if len(trained) == len(params) else trained,
+                                                                    grads)])
         return loss
 
     def client_end(self, global_params: Params, params: Params, state: State, scratch: Scratch) -> Message:

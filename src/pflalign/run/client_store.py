@@ -20,6 +20,14 @@ deletes the orphans; `prune` keeps every file that either checkpoint on disk
 previous checkpoint still finds its files. A file whose checksum does not
 match is refused with one line.
 
+Kept in memory (`memory_bytes` > 0, the in-process engine when checkpoints are not written
+every round: `--checkpoint-every`, on CUDA by default): a record stays where it was trained, under
+the name its file will have, until `flush` writes it (before each checkpoint, which then names
+it), or is dropped unwritten when the client's next record replaces it. Why: on a GPU a round of
+SmolLM2 takes about a second, and a pFLAlign client's 78 MB file written, hashed, read and hashed
+again every round took 0.6 s of it on the CPU (benchmarks/client_files.py). Records beyond
+`memory_bytes` go to their files at once, as without it.
+
 The engine stays method-agnostic: a `State` is whatever groups of tensors
 the method keeps; this module only stores them.
 """
@@ -99,22 +107,32 @@ def decode(data: bytes, device: torch.device | str = "cpu", order: Iterable[str]
             personalized[rest] = t
 
     order = list(order)
+    return ({g: _onto(p, device, order) for g, p in groups.items()},
+            None if personalized is None else _onto(personalized, device, order))
 
-    def onto(params: dict) -> Params:
-        names = order if params.keys() == set(order) else list(params)
-        return moved({n: params[n] for n in names}, device)  # one flat buffer, one transfer
 
-    return {g: onto(p) for g, p in groups.items()}, (None if personalized is None else onto(personalized))
+def _onto(params: Params, device, order: list[str]) -> Params:
+    """A copy of `params` on `device` as one flat buffer, in `order` when it names the same tensors
+    (else their own order): one transfer (`moved`)."""
+    names = order if params.keys() == set(order) else list(params)
+    return moved({n: params[n] for n in names}, device)
+
+
+def _nbytes(state: dict, personalized: Params | None) -> int:
+    groups = [*state.values(), *([personalized] if personalized is not None else [])]
+    return sum(t.numel() * t.element_size() for group in groups for t in group.values())
 
 
 class ClientStore:
     """The clients' records of one run: the small fields in memory (a few numbers per client), the
     tensors in ``<out>/clients/``."""
 
-    def __init__(self, out: Path | str | None, names: list[str]):
+    def __init__(self, out: Path | str | None, names: list[str], memory_bytes: int = 0):
         self.folder = None if out is None else Path(out) / FOLDER
         self.records = [ClientRecord(name) for name in names]
         self._kept_files: set[str] = set()  # named by the checkpoint on disk before the newest
+        self.memory_bytes = memory_bytes  # records held unwritten up to this many bytes (0: none)
+        self._unwritten: dict[str, tuple[int, dict, Params | None]] = {}  # file name -> (k, state, personalized)
 
     def attach(self, out: Path | str) -> None:
         """The run folder, when the store was made before it was known."""
@@ -131,6 +149,11 @@ class ClientStore:
         rec = self.records[k]
         if rec.file is None:
             return None
+        if rec.file in self._unwritten:  # a copy: the caller's round changes its state in place
+            _, state, personalized = self._unwritten[rec.file]
+            order = list(order)
+            return ({g: _onto(group, device, order) for g, group in state.items()},
+                    None if personalized is None else _onto(personalized, device, order))
         path = self.folder / rec.file
         try:
             data = path.read_bytes()
@@ -144,21 +167,40 @@ class ClientStore:
 
     def save(self, k: int, rounds_done: int, state: dict, personalized: Params | None) -> None:
         """Write client k's record after round `rounds_done` (atomic; named by no checkpoint until the
-        next save of the run's checkpoint)."""
-        data = encode(state, personalized)
+        next save of the run's checkpoint), or keep it in memory until `flush` (`memory_bytes`). The
+        store keeps `state` and `personalized` themselves then: the caller no longer changes them."""
         name = f"{k}.r{rounds_done}.safetensors"
+        self._unwritten.pop(self.records[k].file, None)  # replaced before any checkpoint named it
+        if self.memory_bytes:
+            size = _nbytes(state, personalized)
+            if size + sum(_nbytes(*kept[1:]) for kept in self._unwritten.values()) <= self.memory_bytes:
+                self._unwritten[name] = (k, state, personalized)
+                self.records[k].file, self.records[k].sha256 = name, None
+                return
         try:
-            _atomic_write(self.folder / name, lambda f: f.write(data))
+            self._write(k, name, state, personalized)
         except ckpt.DiskFull as exc:  # no checkpoint names this round's files yet: the last one is whole
             last = rounds_done - 1
             raise ckpt.DiskFull(f"{exc}; " + (f"the previous checkpoint (after round {last}) is intact; free some "
                                               "space, then continue with --resume (same --out)" if last > 0 else
                                               "no round is saved yet; free some space and start again")) from None
+
+    def flush(self) -> None:
+        """Write every record held in memory to its file (before a checkpoint names them)."""
+        for name, (k, state, personalized) in list(self._unwritten.items()):
+            self._write(k, name, state, personalized)  # (a full disk: the engine says which checkpoint is kept)
+            del self._unwritten[name]
+
+    def _write(self, k: int, name: str, state: dict, personalized: Params | None) -> None:
+        data = encode(state, personalized)
+        _atomic_write(self.folder / name, lambda f: f.write(data))
         self.records[k].file, self.records[k].sha256 = name, hashlib.sha256(data).hexdigest()
 
     # ---- the checkpoint's part ----------------------------------------------------
     def table(self) -> list[dict]:
-        """The records for the run checkpoint (names the files it needs)."""
+        """The records for the run checkpoint (names the files it needs: `flush` first)."""
+        if self._unwritten:
+            raise RuntimeError("client records are still in memory: ClientStore.flush() before the checkpoint")
         return [r.to_dict() for r in self.records]
 
     def restore(self, table: list[dict]) -> None:

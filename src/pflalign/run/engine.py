@@ -41,6 +41,7 @@ from .server import RoundRecord, Server
 from .lockstep import check_batch, resolve_batch
 from .jobs import ClientSide, ScoreJob, StartedRound, TrainJob, personalized_adapter, run_train_jobs_lockstep
 from .workers import Inline, Processes, bound_workers, check_workers
+from ..settings.defaults import CHECKPOINT_EVERY, CLIENT_MEMORY_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +59,11 @@ class Federation:
     """
 
     def __init__(self, cfg: RunConfig, progress: bool = True, out: Path | str | None = None, workers: int = 1,
-                 batch: str = "auto", shared: tuple[FederatedLM, Params] | None = None):
+                 batch: str = "auto", shared: tuple[FederatedLM, Params] | None = None,
+                 checkpoint_every: float | None = None):
         """`shared`: (a model this run shares with others, this run's w^0) for runs trained in
-        lockstep (`--batch runs`, run/together.py), instead of a model of its own."""
+        lockstep (`--batch runs`, run/together.py), instead of a model of its own.
+        `checkpoint_every`: seconds between checkpoints (`checkpoint_interval`)."""
         device = resolve_device(cfg.device)
         check_workers(workers, device)
         asked = batch
@@ -95,7 +98,11 @@ class Federation:
                                     (lambda k=k, share=share: client_data(cfg, self.lm.tokenizer, k, share=share)[1])
                                     if cached else None)
                         for k, share in enumerate(shares)]
-        self.store = ClientStore(out, [c.name for c in self.clients])  # its folder: the run's (`train` sets it)
+        self.checkpoint_every = checkpoint_interval(checkpoint_every, device)
+        self.saved_at = time.monotonic()  # the last checkpoint (or the start of this session)
+        # between checkpoints the clients' records stay in memory (in this process only: workers read files)
+        memory = CLIENT_MEMORY_BYTES if self.checkpoint_every > 0 and self.workers == 1 else 0
+        self.store = ClientStore(out, [c.name for c in self.clients], memory)  # its folder: the run's (`train` sets it)
         # what runs a client's jobs in this process (workers = 1, and the export's personalized adapters)
         self.side = ClientSide(self.lm, self.method, cfg, self.store, self.initial_params)
 
@@ -147,7 +154,7 @@ class Federation:
             tic = time.perf_counter()
             record = self.train_round(r)  # the sampled clients train, the server aggregates
             seconds = time.perf_counter() - tic
-            self.keep_round(rec, watch, r, record, seconds)
+            self.keep_round(rec, watch, r, record, seconds, last=r + 1 == end)
             after(r, record, seconds)
         self.in_round = None
         return end
@@ -158,15 +165,31 @@ class Federation:
         return LossWatch(rec, [c.name for c in self.clients])
 
     def keep_round(self, rec: Recorder, watch: LossWatch, r: int, record: RoundRecord, seconds: float,
-                   evaluated: list[dict] | None = None) -> None:
+                   evaluated: list[dict] | None = None, last: bool = True) -> None:
         """Round r written: its lines, its scores when ``eval.every`` says so (`evaluated`: already
-        scored, with other runs': run/together.py), its checkpoint."""
+        scored, with other runs': run/together.py), and its checkpoint when one is due: after the
+        session's `last` round, and after any round once `checkpoint_every` seconds have passed
+        since the last one (every round by default on the CPU)."""
         rec.round(r, record, seconds)  # the clients' lines, then the round's
         watch.round(r, record)  # warns once if the loss runs away
         if self.round_eval_due(r):
             rec.round_eval(r, self.round_eval(r) if evaluated is None else evaluated)
+        if not self.checkpoint_due(r, last):
+            return
+        try:
+            self.store.flush()  # the clients' records held in memory, into the files the checkpoint names
+        except ckpt.DiskFull as exc:
+            raise ckpt.DiskFull(f"{exc}; " + (f"the checkpoint after round {rec.saved[0]} is intact; free some space, "
+                                              "then continue with --resume (same --out)" if rec.saved[0] else
+                                              "no round is saved yet; free some space and start again")) from None
         rec.save(r + 1, self.checkpoint())
         self.store.prune()  # after the checkpoint: the client files it no longer names
+        self.saved_at = time.monotonic()
+
+    def checkpoint_due(self, r: int, last: bool) -> bool:
+        """Whether round r's checkpoint is written: after the session's last round, and once
+        `checkpoint_every` seconds have passed since the last checkpoint."""
+        return last or time.monotonic() - self.saved_at >= self.checkpoint_every
 
     def train_round(self, r: int) -> RoundRecord:
         """Round r: the sampled clients train from w^r (side by side with workers > 1, in lockstep
@@ -378,11 +401,25 @@ class _Adapters(Mapping):
         return self.fed.global_params if name == export.GLOBAL else self.fed.personalized_of(self.ids[name])
 
 
+def checkpoint_interval(seconds: float | None, device: str) -> float:
+    """Seconds between checkpoints: `seconds` as given (0: after every round), else the device's
+    default (`settings.defaults.CHECKPOINT_EVERY`: every round on the CPU, where a round takes
+    minutes; every 60 s on CUDA, where it takes about a second and writing every client's record
+    and the checkpoint would take longer than training it)."""
+    if seconds is None:
+        return CHECKPOINT_EVERY.get(torch.device(device).type, 0.0)
+    if not seconds >= 0:
+        raise UserError(f"--checkpoint-every must be >= 0 seconds, got {seconds:g}")
+    return float(seconds)
+
+
 @run_dir.guarded  # --out checked and locked, --overwrite restores the old run on failure
 def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool = False,
         stop_after: int | None = None, progress: bool = True, workers: int = 1,
-        allow_recipe_change: bool = False, batch: str = "auto") -> dict | None:
+        allow_recipe_change: bool = False, batch: str = "auto", checkpoint_every: float | None = None) -> dict | None:
     """Run (or resume) one federated job into `out`; returns results, or None when stopped early.
+    `checkpoint_every`: seconds between checkpoints (`checkpoint_interval`; the last round of the
+    session is always saved).
     `workers` > 1: clients train and are scored in that many one-thread processes (`pflalign.run.workers`).
     `batch` "clients": a round's clients train in lockstep, step t of all in one pass (`pflalign.run.lockstep`),
     and their personalized and global models are scored in one decoding loop (`pflalign.run.batched_scoring`).
@@ -390,7 +427,8 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
     (`Recorder.config`)."""
     if batch == "runs":
         raise UserError("--batch runs trains several runs together: use pflalign sweep --batch runs")
-    rec, fed, start = open_run(cfg, out, resume, overwrite, allow_recipe_change, progress, workers, batch)
+    rec, fed, start = open_run(cfg, out, resume, overwrite, allow_recipe_change, progress, workers, batch,
+                               checkpoint_every=checkpoint_every)
     cfg = fed.cfg
     end = cfg.rounds if stop_after is None else min(cfg.rounds, start + stop_after)
     rounds_bar = tqdm(range(start, end), initial=start, total=cfg.rounds, desc="rounds",
@@ -427,14 +465,15 @@ def run(cfg: RunConfig, out: Path | str, resume: bool = False, overwrite: bool =
 
 def open_run(cfg: RunConfig | None, out: Path | str, resume: bool, overwrite: bool, allow_recipe_change: bool,
              progress: bool, workers: int, batch: str,
-             shared: Callable[[RunConfig], tuple[FederatedLM, Params]] | None = None) -> tuple[Recorder, Federation, int]:
+             shared: Callable[[RunConfig], tuple[FederatedLM, Params]] | None = None,
+             checkpoint_every: float | None = None) -> tuple[Recorder, Federation, int]:
     """A run set up to train (inside `run_dir.guard`): its run folder (`Recorder`: config.json,
     metrics, the checkpoint it resumes from), its `Federation` (`shared(cfg)`: the model it shares
     with other runs and its w^0, `Federation`), the round it starts at."""
     rec = Recorder(out, resume, overwrite, allow_recipe_change)
     cfg = rec.config(cfg)
     fed = Federation(cfg, progress=progress, out=rec.out, workers=workers, batch=batch,
-                     shared=None if shared is None else shared(cfg))
+                     shared=None if shared is None else shared(cfg), checkpoint_every=checkpoint_every)
     start = fed.restore(rec.checkpoint) if rec.resuming else 0
     if not rec.resuming:
         warn_at_start(cfg, fed.method)

@@ -312,9 +312,13 @@ def interrupted(rec: Recorder, cfg: RunConfig, in_round: int | None) -> RunInter
     where = (f"during round {in_round + 1} of {cfg.rounds}" if in_round is not None and in_round < cfg.rounds
              else "during the final evaluation")
     if rounds == 0:
-        return RunInterrupted(f"interrupted {where}, before any round finished; nothing to resume: "
+        return RunInterrupted(f"interrupted {where}, before any round was saved; nothing to resume: "
                               "run the same command again")
-    return RunInterrupted(f"interrupted {where}; the last finished round ({rounds}) is saved; resume with: "
+    finished = min(in_round, cfg.rounds) if in_round is not None else cfg.rounds
+    saved = (f"the last finished round ({rounds}) is saved" if finished <= rounds else
+             f"round {rounds} is the last saved (rounds {rounds + 1}-{finished} finished since its checkpoint, "
+             "--checkpoint-every, and are trained again)")
+    return RunInterrupted(f"interrupted {where}; {saved}; resume with: "
                           f"pflalign run --out {shlex.quote(str(rec.out))} --resume")
 
 

@@ -36,8 +36,7 @@ import torch
 from .client import ClientRound, LocalRound
 from ..errors import TrainingDiverged, UserError
 from ..methods.base import Message, Method, Params, State
-from .. import params as params_module
-from ..params import aligned, clone, detached, empty_like, in_order
+from ..params import aligned, clone, copy_each, detached, empty_like, in_order
 
 
 def own_adapter(like: Params, copy: bool = True) -> Params:
@@ -61,14 +60,10 @@ def _loader(live: Params) -> Callable[[Params], None]:
     def load(params: Params) -> None:
         if params.keys() != live.keys():
             raise ValueError("adapter keys differ from the model's")
+        # one copy over flat buffers on CUDA; a start that is not one (FedSA-LoRA's own B with the
+        # global A): one multi-tensor copy there
         pieces = aligned(live, in_order(params, live))
-        if len(pieces) > 1 and next(iter(live.values())).device.type in params_module.FLAT_DEVICES:
-            # a start that is not one flat buffer (FedSA-LoRA's own B with the global A): one
-            # multi-tensor copy rather than a launch per tensor
-            torch._foreach_copy_([p for p, _ in pieces], [value for _, value in pieces])
-            return
-        for p, value in pieces:  # (one copy over flat buffers on CUDA)
-            p.copy_(value)
+        copy_each([p for p, _ in pieces], [value for _, value in pieces])
     return load
 
 
@@ -177,11 +172,11 @@ def alone(lm, batch: dict, adapter: Params) -> float:
     one-adapter kernels (model/lora_mlp.py) a routed pass cannot use."""
     lm.set_lora(adapter)
     loss, grads = lm.loss_and_grads(batch)
-    for n, p in adapter.items():
-        if p.grad is None:
-            p.grad = grads[n].clone()
-        else:
-            p.grad.copy_(grads[n])
+    if any(p.grad is None for p in adapter.values()):
+        for n, p in adapter.items():
+            p.grad = grads[n].clone() if p.grad is None else p.grad.copy_(grads[n])
+    else:
+        copy_each([p.grad for p in adapter.values()], [grads[n] for n in adapter])  # (one launch on CUDA)
     return loss
 
 

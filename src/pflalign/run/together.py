@@ -8,7 +8,7 @@ run goes through `jobs.run_rounds_lockstep`: local step t of all their clients i
 (`lockstep.shared_pass`, as many as fit the device's memory), each client's step then taken by its
 own run's method. Everything else is each run's own, exactly as `engine.run` has it: its
 `Federation` (method, server, clients' files, seeded w^0), its run folder (`Recorder`: config,
-metrics lines, checkpoint after every round, `--resume`), its adapters and results.json (which
+metrics lines, checkpoints (`engine.checkpoint_interval`), `--resume`), its adapters and results.json (which
 records ``batch: "runs"``). Runs at different rounds (one resumed, one new) train side by side,
 each its own next round. The runs that finish in the same step of the lockstep (runs of equal
 rounds: all of them at once) are scored together: every personalized and global model of all of
@@ -100,7 +100,8 @@ class _Run:
         return self.next_round >= self.fed.cfg.rounds
 
 
-def run_together(runs: list[tuple[RunConfig, Path, bool]], progress: bool = True) -> list[dict | TrainingDiverged]:
+def run_together(runs: list[tuple[RunConfig, Path, bool]], progress: bool = True,
+                 checkpoint_every: float | None = None) -> list[dict | TrainingDiverged]:
     """Train the runs (config, run folder, resume) in lockstep on one shared model; each run's
     folder is guarded (`run_dir.guard`: a fresh run replaces what is there, as the sweep does).
     Returns, per run in order, its results, or the `TrainingDiverged` that stopped it alone."""
@@ -111,7 +112,7 @@ def run_together(runs: list[tuple[RunConfig, Path, bool]], progress: bool = True
         try:
             for cfg, out, resume in runs:
                 rec, fed, start = open_run(None if resume else cfg, out, resume, not resume, False, False, 1, "runs",
-                                           shared)
+                                           shared, checkpoint_every)
                 fed.side.pass_size = size  # one device, one size for every run's passes
                 opened.append(_Run(rec, fed, start))
             return _train(opened, progress)
@@ -152,7 +153,8 @@ def _train(runs: list[_Run], progress: bool) -> list[dict | TrainingDiverged]:
             for i, record in records.items():
                 r = runs[i]
                 try:
-                    r.fed.keep_round(r.rec, r.watch, r.next_round, record, seconds, evaluated.get(i))
+                    r.fed.keep_round(r.rec, r.watch, r.next_round, record, seconds, evaluated.get(i),
+                                     last=r.next_round + 1 >= r.fed.cfg.rounds)
                 except TrainingDiverged as exc:
                     _stop(runs, i, exc, active, outcome)
                     continue
