@@ -168,8 +168,8 @@ BATCH_HELP = ("clients: train a round's clients in lockstep, local step t of all
               "elsewhere")
 CHECKPOINT_EVERY_HELP = ("save the run's checkpoint (and the clients' records, held in memory between) when "
                          "SECONDS have passed since the last one, and after the last round; 0: after every round. "
-                         "Default: every round on the CPU, every 60 s on CUDA, where a round takes about a second and "
-                         "writing the clients' files every round would take longer than training them. A crash or "
+                         "Default: every round on the CPU, every 60 s on CUDA, where a round trains in a second or two and "
+                         "writing the clients' files every round takes about as long. A crash or "
                          "Ctrl-C loses at most the rounds since; results are the same either way")
 SWEEP_BATCH_HELP = BATCH_HELP.replace("; default auto", "; runs: the runs that share a base model together, "
                                       "every client of every run in lockstep; default auto")

@@ -22,6 +22,7 @@ from ..model.base_cache import base_generations
 from ..errors import TrainingDiverged, UserError
 from ..evaluate import generate, rouge_l
 from ..methods.base import Message, Method, Params, State, StepContext, aligned, in_order, zeros_like
+from ..params import flat_where_it_helps
 from ..optim import make_optimizer, round_lr
 from ..data.clients import ClientShare
 from ..prompts import IGNORE, Encoded, batch_indices, collate_train, encode_prompt, encode_train
@@ -213,7 +214,10 @@ class LocalRound:
             if bad := _non_finite(grads):
                 raise _diverged(f"the gradient of {bad}", round_index, t, lr)
             if first_call[0]:  # the minibatch gradient at w_{k,t} (SAM's second call is not)
-                self.stats.add(grads if self.trained is None else {n: grads[n] for n in self.trained})
+                # the trained tensors only (FFA-LoRA's B: no flat buffer of their own, so on CUDA one
+                # concatenated copy, params.flat_where_it_helps, for the sums to run flat)
+                trained = grads if self.trained is None else flat_where_it_helps({n: grads[n] for n in self.trained})
+                self.stats.add(trained)
                 first_call[0] = False
             return loss, grads
 

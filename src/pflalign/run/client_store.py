@@ -23,9 +23,9 @@ match is refused with one line.
 Kept in memory (`memory_bytes` > 0, the in-process engine when checkpoints are not written
 every round: `--checkpoint-every`, on CUDA by default): a record stays where it was trained, under
 the name its file will have, until `flush` writes it (before each checkpoint, which then names
-it), or is dropped unwritten when the client's next record replaces it. Why: on a GPU a round of
-SmolLM2 takes about a second, and a pFLAlign client's 78 MB file written, hashed, read and hashed
-again every round took 0.6 s of it on the CPU (benchmarks/client_files.py). Records beyond
+it), or is dropped unwritten when the client's next record replaces it. Why: on a GPU a SmolLM2
+round trains in 1.1-1.7 s, and a pFLAlign client's 78 MB file written, hashed, read and hashed
+again every round took 0.59 s on the CPU (benchmarks/client_files.py). Records beyond
 `memory_bytes` go to their files at once, as without it.
 
 The engine stays method-agnostic: a `State` is whatever groups of tensors
