@@ -30,7 +30,10 @@
 # OUT/runs.tar.gz, in collect.sh's layout (dolly/<row>/seed<k>/), with OUT/logs.tar.gz and
 # OUT/env.txt (GPU, torch, transformers). A run interrupted at DEADLINE_S (default 540 s from the
 # start of `run`) stops at its last round checkpoint in STAGE, which cannot travel back but which
-# a further `run` call on the same warm machine resumes first (no carry needed).
+# a further `run` call on the same warm machine resumes first (no carry needed). Since 2026-11-28 a
+# CUDA run checkpoints every 60 s, not every round (--checkpoint-every; the clients' records kept in
+# memory between, benchmarks/client_files.py): the deadline's interrupt costs a run it stops at most
+# its last minute's rounds, which the resuming call trains again.
 #
 # RUNS_PER_CALL (default 1): how many runs one 10-minute call can finish, from the figures there
 # are (none is a Dolly run on a GPU): a Dolly local step of SmolLM2-135M on an H100 is bound by
