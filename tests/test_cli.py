@@ -39,6 +39,8 @@ def _error(capsys, argv):
     (["--config", "demo", "--set", "method_args.beta=1.5"], "beta must be in [0, 1)"),
     (["--config", "demo", "--set", "rounds=many"], "expected an integer"),
     (["--config", "demo", "--set", "novalue"], "key=value"),
+    (["--config", "demo", "--checkpoint-every", "-5"], "--checkpoint-every must be >= 0 seconds, got -5"),
+    (["--config", "demo", "--checkpoint-every", "nan"], "--checkpoint-every must be >= 0 seconds"),
 ])
 def test_bad_config_is_one_line_exit_2(capsys, tmp_path, argv, needle):
     err = _error(capsys, ["run", *argv, "--out", str(tmp_path / "run")])

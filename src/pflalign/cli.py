@@ -38,6 +38,11 @@ def quiet_library_bars() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _check_checkpoint_every(args) -> None:
+    if args.checkpoint_every is not None and not args.checkpoint_every >= 0:
+        raise UserError(f"--checkpoint-every must be >= 0 seconds, got {args.checkpoint_every:g}")
+
+
 def cmd_run(args) -> int:
     from .config import build_config, parse_set
 
@@ -50,6 +55,7 @@ def cmd_run(args) -> int:
         raise UserError(f"--stop-after-rounds must be >= 1, got {args.stop_after_rounds}")
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
+    _check_checkpoint_every(args)
     if args.resume and (args.set or args.data_dir or args.method):
         raise UserError("--resume continues with the run's saved config; drop --set/--data-dir/--method")
     if args.allow_recipe_change and not args.resume:
@@ -85,6 +91,7 @@ def cmd_sweep(args) -> int:
     methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
+    _check_checkpoint_every(args)
     runs = plan_sweep(args.config, Path(args.out), parse_set(args.set or []), args.data_dir, seeds,
                       done=args.done or [], methods=methods)
     if args.dry_run:  # what the sweep will do with each run, read as it reads them
