@@ -421,3 +421,23 @@ def test_checkpoint_interval_defaults_by_device_and_refuses_a_negative_one():
     assert checkpoint_interval(5, "cpu") == 5.0
     with pytest.raises(UserError, match="--checkpoint-every must be >= 0"):
         checkpoint_interval(-1, "cpu")
+
+
+def test_the_stores_of_one_process_share_one_bound_and_a_discarded_store_frees_its_part(tmp_path):
+    """Runs in lockstep (one process, one store each) hold at most `memory_bytes` of records
+    together; a run that stops gives its part back."""
+    from pflalign import params as P
+    from pflalign.run.client_store import ClientStore
+
+    adapter = P.clone({"x.lora_A": torch.ones(2, 3), "x.lora_B": torch.zeros(3, 2)})
+    size = 2 * sum(t.numel() * 4 for t in adapter.values())
+    first, second = (ClientStore(tmp_path / name, ["a"], memory_bytes=size) for name in ("one", "two"))
+    for store in (first, second):
+        store.folder.mkdir(parents=True)
+    first.save(0, 1, {"v": P.clone(adapter)}, P.clone(adapter))
+    second.save(0, 1, {"v": P.clone(adapter)}, P.clone(adapter))  # over the shared bound: to its file
+    assert not list(first.folder.iterdir()) and [p.name for p in second.folder.iterdir()] == ["0.r1.safetensors"]
+    first.discard()
+    second.save(0, 2, {"v": P.clone(adapter)}, P.clone(adapter))  # room again: held
+    assert [p.name for p in second.folder.iterdir()] == ["0.r1.safetensors"]
+    second.discard()

@@ -25,8 +25,9 @@ every round: `--checkpoint-every`, on CUDA by default): a record stays where it 
 the name its file will have, until `flush` writes it (before each checkpoint, which then names
 it), or is dropped unwritten when the client's next record replaces it. Why: on a GPU a SmolLM2
 round trains in 1.1-1.7 s, and a pFLAlign client's 78 MB file written, hashed, read and hashed
-again every round took 0.59 s on the CPU (benchmarks/client_files.py). Records beyond
-`memory_bytes` go to their files at once, as without it.
+again every round took 0.59 s on the CPU (benchmarks/client_files.py). `memory_bytes` bounds
+what every store of the process holds together (runs in lockstep share it); a record beyond it
+goes to its file at once, as without it.
 
 The engine stays method-agnostic: a `State` is whatever groups of tensors
 the method keeps; this module only stores them.
@@ -54,6 +55,7 @@ from ..params import Params, moved
 log = logging.getLogger(__name__)
 
 FOLDER = "clients"
+_HELD = [0]  # bytes of records held in memory by all stores of this process (one bound for runs in lockstep)
 _NAME = re.compile(r"^(\d+)\.r(\d+)\.safetensors$")
 
 
@@ -132,7 +134,8 @@ class ClientStore:
         self.records = [ClientRecord(name) for name in names]
         self._kept_files: set[str] = set()  # named by the checkpoint on disk before the newest
         self.memory_bytes = memory_bytes  # records held unwritten up to this many bytes (0: none)
-        self._unwritten: dict[str, tuple[int, dict, Params | None]] = {}  # file name -> (k, state, personalized)
+        # file name -> (k, state, personalized, bytes): records not yet written (`memory_bytes`)
+        self._unwritten: dict[str, tuple[int, dict, Params | None, int]] = {}
 
     def attach(self, out: Path | str) -> None:
         """The run folder, when the store was made before it was known."""
@@ -150,7 +153,7 @@ class ClientStore:
         if rec.file is None:
             return None
         if rec.file in self._unwritten:  # a copy: the caller's round changes its state in place
-            _, state, personalized = self._unwritten[rec.file]
+            _, state, personalized, _ = self._unwritten[rec.file]
             order = list(order)
             return ({g: _onto(group, device, order) for g, group in state.items()},
                     None if personalized is None else _onto(personalized, device, order))
@@ -170,11 +173,12 @@ class ClientStore:
         next save of the run's checkpoint), or keep it in memory until `flush` (`memory_bytes`). The
         store keeps `state` and `personalized` themselves then: the caller no longer changes them."""
         name = f"{k}.r{rounds_done}.safetensors"
-        self._unwritten.pop(self.records[k].file, None)  # replaced before any checkpoint named it
+        self._drop(self.records[k].file)  # replaced before any checkpoint named it
         if self.memory_bytes:
             size = _nbytes(state, personalized)
-            if size + sum(_nbytes(*kept[1:]) for kept in self._unwritten.values()) <= self.memory_bytes:
-                self._unwritten[name] = (k, state, personalized)
+            if _HELD[0] + size <= self.memory_bytes:
+                self._unwritten[name] = (k, state, personalized, size)
+                _HELD[0] += size
                 self.records[k].file, self.records[k].sha256 = name, None
                 return
         try:
@@ -187,9 +191,19 @@ class ClientStore:
 
     def flush(self) -> None:
         """Write every record held in memory to its file (before a checkpoint names them)."""
-        for name, (k, state, personalized) in list(self._unwritten.items()):
+        for name, (k, state, personalized, _) in list(self._unwritten.items()):
             self._write(k, name, state, personalized)  # (a full disk: the engine says which checkpoint is kept)
-            del self._unwritten[name]
+            self._drop(name)
+
+    def discard(self) -> None:
+        """Forget the records held in memory (a run that stops: its last checkpoint names its files)."""
+        for name in list(self._unwritten):
+            self._drop(name)
+
+    def _drop(self, name: str | None) -> None:
+        held = self._unwritten.pop(name, None)
+        if held is not None:
+            _HELD[0] -= held[3]
 
     def _write(self, k: int, name: str, state: dict, personalized: Params | None) -> None:
         data = encode(state, personalized)

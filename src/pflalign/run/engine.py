@@ -125,7 +125,9 @@ class Federation:
         return self._runner
 
     def close(self) -> None:
-        """Stop the worker processes, if any."""
+        """Stop the worker processes, if any; forget the clients' records not yet written (the last
+        checkpoint names what the run keeps)."""
+        self.store.discard()
         if self._runner is not None:
             self._runner.close()
             self._runner = None

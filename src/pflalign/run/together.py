@@ -185,6 +185,7 @@ def _stop(runs: list[_Run], i: int, exc: TrainingDiverged, active: list[int], ou
     """Run i reached a non-finite value: it stops alone (its folder as after its last checkpoint,
     `lifecycle.diverged`); the others go on."""
     outcome[i] = diverged(runs[i].rec, exc)
+    runs[i].fed.store.discard()  # its records held in memory: the others' now
     log.warning("%s: stopped: %s", runs[i].rec.out, outcome[i])
     active.remove(i)
 

@@ -48,8 +48,9 @@ def default_lr(cfg: RunConfig) -> float:
 # there, and writing, hashing and reading back a pFLAlign client's record took 0.59 s per client on the
 # CPU: benchmarks/client_files.py). A crash loses at most the rounds since; results are the same either way.
 CHECKPOINT_EVERY = {"cpu": 0.0, "cuda": 60.0}
-# Between checkpoints the clients' records stay in memory (where they trained) up to this many bytes;
-# beyond it they go to their files at once (run/client_store.py): 26 pFLAlign SmolLM2 clients
+# Between checkpoints the clients' records stay in memory (where they trained) up to this many bytes a
+# process (runs in lockstep share it); beyond it they go to their files at once (run/client_store.py):
+# 26 pFLAlign SmolLM2 clients, 11 at LLaMA-3.2-1B
 CLIENT_MEMORY_BYTES = 2 * 2**30
 
 EVAL_ROWS_CPU = 64  # eval.batch_size on device=cpu, and what auto decodes with off CUDA (evaluate.AUTO_ROWS)
