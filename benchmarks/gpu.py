@@ -428,14 +428,16 @@ def time_training(lm, config, device: str, batch: int, seq: int, warmup: int, st
     matmuls run on bf16 tensor cores (their float32 copies stay the master weights), as the HF
     Trainer's bf16=True does. Since issue 55 the library's own step does this on CUDA with a bf16
     base (`FederatedLM.adapter_autocast`), so there the two rows should agree."""
+    from pflalign.params import aligned
+
     data = random_batch(config, batch, seq)
 
     def step() -> float:
         with bf16_autocast(device, autocast):
             loss, grads = lm.loss_and_grads(data, unpadded=False)  # the padded batch, as on a GPU
-        with torch.no_grad():  # plain SGD, as FedAvg's client (its cost: a few adapter-sized ops)
-            for n, p in lm.lora.items():
-                p.sub_(grads[n], alpha=1e-4)
+        with torch.no_grad():  # plain SGD, as FedAvg's client: once over the flat adapter on CUDA
+            for w, g in aligned({n: p.detach() for n, p in lm.lora.items()}, grads):
+                w.sub_(g, alpha=1e-4)
         return loss
 
     return timed_steps(step, device, batch, seq, warmup, steps)

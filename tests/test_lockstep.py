@@ -545,3 +545,26 @@ def test_flat_updates_take_as_many_operations_for_any_number_of_tensors(method, 
         if hook not in per_tensor:
             assert many[hook] == few[hook], (hook, few[hook], many[hook])
     assert few["step"] > 0
+
+
+@pytest.mark.parametrize("method", ["pflalign", "scaffold", "fedsam", "ffa-lora"])
+def test_the_one_client_engine_with_its_adapter_in_one_buffer_trains_bit_for_bit_the_same(tmp_path, method,
+                                                                                         monkeypatch):
+    """Where updates run flat (CUDA; forced here), the model's own adapter, which PEFT allocates
+    tensor by tensor, is re-pointed at one flat buffer (the modules keep their Parameters), so the
+    one-client engine (--batch none, Flower's clients) updates it once; its run is the
+    tensor-by-tensor one bit for bit."""
+    from pflalign import params as P
+
+    run(tiny(method), tmp_path / "tensors", progress=False, batch="none")
+    monkeypatch.setattr(P, "FLAT_DEVICES", {"cpu", "cuda"})
+    lm = FederatedLM.build("tiny-llama", LoraSettings(r=2, alpha=4), seed=0)
+    flat = P.flat_buffer({n: p.detach() for n, p in lm.lora.items()})
+    assert flat is not None
+    module_weights = [m.weight for name, m in lm.model.named_modules() if name.endswith("lora_A.default")]
+    assert module_weights and all(w.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+                                  for w in module_weights)
+    run(tiny(method), tmp_path / "flat", progress=False, batch="none")
+    assert train_steps(tmp_path / "flat") == train_steps(tmp_path / "tensors")
+    a, b = (ckpt.load_checkpoint(tmp_path / name / ckpt.CHECKPOINT) for name in ("tensors", "flat"))
+    assert all(torch.equal(a["global"][n], b["global"][n]) for n in a["global"])

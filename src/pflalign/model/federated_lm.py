@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
-from ..params import Params, clone, copy_each, zeros_like
+from .. import params as params_module
+from ..params import Params, aligned, clone, copy_each, flat_buffer, zeros_like
 from ..prompts import IGNORE
 from ..settings import LoraSettings
 from . import multi_lora
@@ -80,6 +81,7 @@ class FederatedLM:
         fused = use_fused_lora_mlp(model, recompute_above=PACK_TOKENS if torch.device(device).type == "cpu" else None)
         norms = use_fused_rms_norm(model)
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        _one_buffer(params)
         return cls(model=model, tokenizer=tok, lora=params, segment_attention=segments, fused_mlps=fused,
                    fused_norms=norms)
 
@@ -143,7 +145,9 @@ class FederatedLM:
             missing = sorted(self.lora.keys() - params.keys())[:3]
             extra = sorted(params.keys() - self.lora.keys())[:3]
             raise ValueError(f"adapter keys differ: missing {missing}, unexpected {extra}")
-        copy_each(list(self.lora.values()), [params[n] for n in self.lora])  # (one launch on CUDA)
+        # on CUDA one copy between flat buffers (`_one_buffer`), else one multi-tensor copy
+        pieces = aligned({n: p.detach() for n, p in self.lora.items()}, {n: params[n] for n in self.lora})
+        copy_each([p for p, _ in pieces], [value for _, value in pieces])
 
     @contextlib.contextmanager
     def merged(self):
@@ -321,6 +325,21 @@ class FederatedLM:
         sum(share for _, share in shares).backward()
         for j, share in shares:
             values[j] += share.item()
+
+
+def _one_buffer(lora: dict[str, torch.nn.Parameter]) -> None:
+    """On a device of `params.FLAT_DEVICES` (CUDA), the adapter's parameters (which PEFT allocates
+    one by one) re-pointed at views of one flat buffer, values kept, in place (the modules keep
+    their Parameters): the one-client engine's updates, and Flower's clients', then run once over
+    it as the lockstep's do (params.aligned), and `set_lora`/`get_lora` copy once. Elsewhere as
+    PEFT made them (the CPU updates tensor by tensor)."""
+    if not lora or next(iter(lora.values())).device.type not in params_module.FLAT_DEVICES:
+        return
+    flat = clone(lora)  # one buffer when the tensors share a dtype (they do: the adapter's)
+    if flat_buffer(flat) is None or flat_buffer(lora) is not None:
+        return
+    for p, view in zip(lora.values(), flat.values()):
+        p.data = view
 
 
 def _zero_grads(*adapters: Params) -> None:
