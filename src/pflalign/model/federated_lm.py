@@ -219,6 +219,7 @@ class FederatedLM:
                 share = total / count
                 share.backward()
                 value += share.item()
+        _gather_grads(self.lora)
         grads = {n: p.grad for n, p in self.lora.items()}
         return value, grads
 
@@ -300,12 +301,14 @@ class FederatedLM:
         if not unpadded:
             token_owner = torch.tensor(owners, device=self.device)[:, None].expand(-1, width)
             self._routed_backward(joined, token_owner, adapters, counts, values, slot)
+            _gather_grads(*adapters)
             return values
         lengths = joined["attention_mask"].sum(dim=1).tolist()
         rows = pack_rows(joined, pack_tokens, self.dtype, segments=self.segment_attention)
         for row, group in zip(rows, pack_groups(lengths, pack_tokens)):
             token_owner = torch.cat([torch.full((lengths[i],), owners[i], device=self.device) for i in group])[None]
             self._routed_backward(row, token_owner, adapters, counts, values, slot)
+        _gather_grads(*adapters)
         return values
 
     def _routed_backward(self, row: dict, token_owner: torch.Tensor, adapters: list[Params], counts: list[int],
@@ -345,16 +348,35 @@ def _one_buffer(lora: dict[str, torch.nn.Parameter]) -> None:
 def _zero_grads(*adapters: Params) -> None:
     """Each adapter's ``.grad`` buffers zeroed, in few launches (one `_foreach_zero_` for all);
     an adapter without them gets them as views of one flat zeroed buffer (params.empty_like), so
-    that a step can update its tensors as one (params.flat_buffers)."""
+    that a step can update its tensors as one (params.flat_buffers). On a device of
+    `params.FLAT_DEVICES` (CUDA) they are dropped instead (``.grad`` None): the backward then hands
+    each tensor its gradient, where into a buffer it adds it, one kernel per LoRA tensor (420 a
+    client step at SmolLM2); `_gather_grads` makes them one buffer after the backward."""
     held = []
     for adapter in adapters:
-        if any(p.grad is None for p in adapter.values()):
+        if adapter and next(iter(adapter.values())).device.type in params_module.FLAT_DEVICES:
+            for p in adapter.values():
+                p.grad = None
+        elif any(p.grad is None for p in adapter.values()):
             for p, g in zip(adapter.values(), zeros_like({n: p.detach() for n, p in adapter.items()}).values()):
                 p.grad = g
         else:
             held.extend(p.grad for p in adapter.values())
     if held:
         torch._foreach_zero_(held)
+
+
+def _gather_grads(*adapters: Params) -> None:
+    """After a backward on a device of `params.FLAT_DEVICES`: each adapter's gradients as views of
+    one flat buffer, set back as its ``.grad`` (one concatenation, `params.clone`; zeros for a
+    tensor the backward did not reach, as the zeroed buffers held), so that a step updates them as
+    one. Elsewhere nothing: the buffers `_zero_grads` keeps are one already."""
+    for adapter in adapters:
+        if not adapter or next(iter(adapter.values())).device.type not in params_module.FLAT_DEVICES:
+            continue
+        grads = {n: p.grad if p.grad is not None else torch.zeros_like(p.detach()) for n, p in adapter.items()}
+        for p, g in zip(adapter.values(), clone(grads).values()):
+            p.grad = g
 
 
 def pack_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:

@@ -172,9 +172,9 @@ def alone(lm, batch: dict, adapter: Params) -> float:
     one-adapter kernels (model/lora_mlp.py) a routed pass cannot use."""
     lm.set_lora(adapter)
     loss, grads = lm.loss_and_grads(batch)
-    if any(p.grad is None for p in adapter.values()):
-        for n, p in adapter.items():
-            p.grad = grads[n].clone() if p.grad is None else p.grad.copy_(grads[n])
+    if any(p.grad is None for p in adapter.values()):  # its first gradient: one buffer, as the model's
+        for p, g in zip(adapter.values(), clone(in_order(grads, adapter)).values()):
+            p.grad = g
     else:
         copy_each([p.grad for p in adapter.values()], [grads[n] for n in adapter])  # (one launch on CUDA)
     return loss
