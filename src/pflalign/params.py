@@ -122,6 +122,13 @@ def copy_each(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) 
         t.copy_(s)
 
 
+def copy_into(targets: Params, sources: Params) -> None:
+    """targets[n] ← sources[n] for every name of `targets`: one copy between flat buffers where they
+    align (`aligned`), else one multi-tensor copy on CUDA (`copy_each`), else one by one."""
+    pieces = aligned(targets, in_order(sources, targets))
+    copy_each([t for t, _ in pieces], [s for _, s in pieces])
+
+
 def detached(params: Params) -> Params:
     """`params`' tensors detached from autograd (views: an adapter's live leaves as plain tensors)."""
     return {n: t.detach() for n, t in params.items()}

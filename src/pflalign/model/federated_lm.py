@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 from .. import params as params_module
-from ..params import Params, aligned, clone, copy_each, flat_buffer, zeros_like
+from ..params import Params, clone, copy_into, flat_buffer, zeros_like
 from ..prompts import IGNORE
 from ..settings import LoraSettings
 from . import multi_lora
@@ -145,9 +145,7 @@ class FederatedLM:
             missing = sorted(self.lora.keys() - params.keys())[:3]
             extra = sorted(params.keys() - self.lora.keys())[:3]
             raise ValueError(f"adapter keys differ: missing {missing}, unexpected {extra}")
-        # on CUDA one copy between flat buffers (`_one_buffer`), else one multi-tensor copy
-        pieces = aligned({n: p.detach() for n, p in self.lora.items()}, {n: params[n] for n in self.lora})
-        copy_each([p for p, _ in pieces], [value for _, value in pieces])
+        copy_into({n: p.detach() for n, p in self.lora.items()}, params)  # on CUDA one copy (`_one_buffer`)
 
     @contextlib.contextmanager
     def merged(self):

@@ -36,7 +36,7 @@ import torch
 from .client import ClientRound, LocalRound
 from ..errors import TrainingDiverged, UserError
 from ..methods.base import Message, Method, Params, State
-from ..params import aligned, clone, copy_each, detached, empty_like, in_order
+from ..params import clone, copy_into, detached, empty_like, in_order
 
 
 def own_adapter(like: Params, copy: bool = True) -> Params:
@@ -62,8 +62,7 @@ def _loader(live: Params) -> Callable[[Params], None]:
             raise ValueError("adapter keys differ from the model's")
         # one copy over flat buffers on CUDA; a start that is not one (FedSA-LoRA's own B with the
         # global A): one multi-tensor copy there
-        pieces = aligned(live, in_order(params, live))
-        copy_each([p for p, _ in pieces], [value for _, value in pieces])
+        copy_into(live, params)
     return load
 
 
@@ -176,7 +175,7 @@ def alone(lm, batch: dict, adapter: Params) -> float:
         for p, g in zip(adapter.values(), clone(in_order(grads, adapter)).values()):
             p.grad = g
     else:
-        copy_each([p.grad for p in adapter.values()], [grads[n] for n in adapter])  # (one launch on CUDA)
+        copy_into({n: p.grad for n, p in adapter.items()}, grads)  # (one copy on CUDA)
     return loss
 
 
