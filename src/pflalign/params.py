@@ -43,6 +43,11 @@ def empty_like(params: Params, dtype: torch.dtype | None = None) -> Params:
 FLAT_DEVICES = {"cuda"}
 
 
+def on_flat_device(params: Params) -> bool:
+    """Whether `params` (non-empty) lie on a device of `FLAT_DEVICES`, judged by their first tensor."""
+    return bool(params) and next(iter(params.values())).device.type in FLAT_DEVICES
+
+
 def flat_buffer(params: Params) -> torch.Tensor | None:
     """The 1-D tensor whose consecutive pieces are `params`' tensors, in order (as `empty_like`
     makes them), detached; None when they are not such views (separately allocated tensors)."""
@@ -65,7 +70,7 @@ def flat_buffers(*dicts: Params) -> list[torch.Tensor] | None:
     order with the same shapes (so that their flat buffers align coordinate by coordinate) and they
     lie on a device of `FLAT_DEVICES`; else None (update tensor by tensor)."""
     first = dicts[0]
-    if not first or next(iter(first.values())).device.type not in FLAT_DEVICES:
+    if not on_flat_device(first):
         return None
     names = list(first)
     if any(list(d) != names or any(d[n].shape != first[n].shape for n in names) for d in dicts[1:]):
@@ -137,7 +142,7 @@ def detached(params: Params) -> Params:
 def flat_where_it_helps(params: Params) -> Params:
     """`params` as views of one flat buffer in their order on a device of `FLAT_DEVICES` (a copy
     unless they already are), so that the updates that read them run flat; elsewhere as they are."""
-    if not params or next(iter(params.values())).device.type not in FLAT_DEVICES or flat_buffer(params) is not None:
+    if not on_flat_device(params) or flat_buffer(params) is not None:
         return params
     return clone(params)
 

@@ -334,7 +334,7 @@ def _one_buffer(lora: dict[str, torch.nn.Parameter]) -> None:
     their Parameters): the one-client engine's updates, and Flower's clients', then run once over
     it as the lockstep's do (params.aligned), and `set_lora`/`get_lora` copy once. Elsewhere as
     PEFT made them (the CPU updates tensor by tensor)."""
-    if not lora or next(iter(lora.values())).device.type not in params_module.FLAT_DEVICES:
+    if not params_module.on_flat_device(lora):
         return
     flat = clone(lora)  # one buffer when the tensors share a dtype (they do: the adapter's)
     if flat_buffer(flat) is None or flat_buffer(lora) is not None:
@@ -352,7 +352,7 @@ def _zero_grads(*adapters: Params) -> None:
     client step at SmolLM2); `_gather_grads` makes them one buffer after the backward."""
     held = []
     for adapter in adapters:
-        if adapter and next(iter(adapter.values())).device.type in params_module.FLAT_DEVICES:
+        if params_module.on_flat_device(adapter):
             for p in adapter.values():
                 p.grad = None
         elif any(p.grad is None for p in adapter.values()):
@@ -370,7 +370,7 @@ def _gather_grads(*adapters: Params) -> None:
     tensor the backward did not reach, as the zeroed buffers held), so that a step updates them as
     one. Elsewhere nothing: the buffers `_zero_grads` keeps are one already."""
     for adapter in adapters:
-        if not adapter or next(iter(adapter.values())).device.type not in params_module.FLAT_DEVICES:
+        if not params_module.on_flat_device(adapter):
             continue
         grads = {n: p.grad if p.grad is not None else torch.zeros_like(p.detach()) for n, p in adapter.items()}
         for p, g in zip(adapter.values(), clone(grads).values()):
