@@ -13,6 +13,10 @@
 # checkout's code (a worktree frozen at one commit, so that merges into this one do not reach a
 # running grid); CONF=folder reads the sweep files and the committed runs from another checkout.
 #
+# METHODS="a b ..." (LANES=1 only): only these rows, in this order (cheapest first on a machine that
+# lasts one session: a Dolly run takes about 2 h of both cores with --workers 2, FedSAM about twice
+# that, and an unfinished run is lost with the machine).
+#
 # LANES=N (default 1: one sweep with WORKERS processes): N lanes side by side, each a process of
 # one thread (--workers 1, OMP_NUM_THREADS=1) that takes the next run in the order above which no
 # other lane has taken, one run at a time. Why: one sweep's 2 workers wait for a round's slowest
@@ -42,8 +46,16 @@ if [ "$LANES" -le 1 ]; then
   for seed in $SEEDS; do
     for file in table1 step-size; do
       echo "== $file seed $seed ($(date -u +%H:%M))"
-      "$PFL" sweep --config "$here/$file.toml" --data-dir "$DATA" --out "$RUNS" "${done[@]}" \
-        --seeds "$seed" --no-progress --workers "$WORKERS"
+      if [ -n "${METHODS:-}" ]; then  # these of the file's rows, one sweep each, in this order
+        for m in $METHODS; do
+          grep -q "\"$m\"" "$here/$file.toml" || continue
+          "$PFL" sweep --config "$here/$file.toml" --data-dir "$DATA" --out "$RUNS" "${done[@]}" \
+            --seeds "$seed" --methods "$m" --no-progress --workers "$WORKERS"
+        done
+      else
+        "$PFL" sweep --config "$here/$file.toml" --data-dir "$DATA" --out "$RUNS" "${done[@]}" \
+          --seeds "$seed" --no-progress --workers "$WORKERS"
+      fi
     done
   done
   echo "== grid done ($(date -u +%H:%M))"
