@@ -571,3 +571,34 @@ def test_the_one_client_engine_with_its_adapter_in_one_buffer_trains_bit_for_bit
     assert train_steps(tmp_path / "flat") == train_steps(tmp_path / "tensors")
     a, b = (ckpt.load_checkpoint(tmp_path / name / ckpt.CHECKPOINT) for name in ("tensors", "flat"))
     assert all(torch.equal(a["global"][n], b["global"][n]) for n in a["global"])
+
+
+def test_on_a_flat_device_the_gradients_land_in_one_buffer_of_the_adapters_kept_across_steps(monkeypatch):
+    """Where updates run flat (CUDA; forced here), a backward's gradients are copied into the
+    adapter's own flat buffer (one multi-tensor copy), the same buffer at every step, as the CPU's
+    ``.grad`` buffers are; their values are the tensor-by-tensor gradients bit for bit, and a tensor
+    the backward did not reach gets zeros there, not the last step's gradient."""
+    from pflalign import params as P
+
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 9, 10]]), "attention_mask": torch.ones(1, 6, dtype=torch.long),
+             "labels": torch.tensor([[IGNORE, IGNORE, IGNORE, 8, 9, 10]])}
+    plain = FederatedLM.build("tiny-llama", LoraSettings(r=2, alpha=4), seed=0)
+    with torch.no_grad():  # B != 0, so that every LoRA tensor gets a gradient
+        for p in plain.lora.values():
+            p.add_(0.05)
+    want = P.clone(plain.loss_and_grads(batch, unpadded=False)[1])
+    monkeypatch.setattr(P, "FLAT_DEVICES", {"cpu", "cuda"})
+    lm = FederatedLM.build("tiny-llama", LoraSettings(r=2, alpha=4), seed=0)
+    P.copy_into({n: p.detach() for n, p in lm.lora.items()}, plain.get_lora())
+    _, first = lm.loss_and_grads(batch, unpadded=False)
+    buffer = P.flat_buffer(first)
+    assert buffer is not None and all(torch.equal(first[n], want[n]) for n in want)
+    assert all(p.grad is first[n] for n, p in lm.lora.items())
+    _, again = lm.loss_and_grads(batch, unpadded=False)
+    assert P.flat_buffer(again).data_ptr() == buffer.data_ptr() and all(torch.equal(again[n], want[n]) for n in want)
+    # a tensor the next backward does not reach (frozen for it): zeros in the buffer
+    name = next(iter(lm.lora))
+    lm.lora[name].requires_grad_(False)
+    _, third = lm.loss_and_grads(batch, unpadded=False)
+    lm.lora[name].requires_grad_(True)
+    assert bool((third[name] == 0).all()) and all(torch.equal(third[n], want[n]) for n in want if n != name)
