@@ -431,12 +431,13 @@ def time_training(lm, config, device: str, batch: int, seq: int, warmup: int, st
     from pflalign.params import aligned
 
     data = random_batch(config, batch, seq)
+    live = {n: p.detach() for n, p in lm.lora.items()}  # once, as a client's round does (run/client.py)
 
     def step() -> float:
         with bf16_autocast(device, autocast):
             loss, grads = lm.loss_and_grads(data, unpadded=False)  # the padded batch, as on a GPU
         with torch.no_grad():  # plain SGD, as FedAvg's client: once over the flat adapter on CUDA
-            for w, g in aligned({n: p.detach() for n, p in lm.lora.items()}, grads):
+            for w, g in aligned(live, grads):
                 w.sub_(g, alpha=1e-4)
         return loss
 
