@@ -46,16 +46,12 @@ if [ "$LANES" -le 1 ]; then
   for seed in $SEEDS; do
     for file in table1 step-size; do
       echo "== $file seed $seed ($(date -u +%H:%M))"
-      if [ -n "${METHODS:-}" ]; then  # these of the file's rows, one sweep each, in this order
-        for m in $METHODS; do
-          grep -q "\"$m\"" "$here/$file.toml" || continue
-          "$PFL" sweep --config "$here/$file.toml" --data-dir "$DATA" --out "$RUNS" "${done[@]}" \
-            --seeds "$seed" --methods "$m" --no-progress --workers "$WORKERS"
-        done
-      else
+      for m in ${METHODS:-all}; do  # METHODS: these of the file's rows, one sweep each, in this order
+        pick=()
+        if [ "$m" != all ]; then grep -q "\"$m\"" "$here/$file.toml" || continue; pick=(--methods "$m"); fi
         "$PFL" sweep --config "$here/$file.toml" --data-dir "$DATA" --out "$RUNS" "${done[@]}" \
-          --seeds "$seed" --no-progress --workers "$WORKERS"
-      fi
+          --seeds "$seed" "${pick[@]}" --no-progress --workers "$WORKERS"
+      done
     done
   done
   echo "== grid done ($(date -u +%H:%M))"
