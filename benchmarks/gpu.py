@@ -938,8 +938,8 @@ def bill_batched(batched_rows: dict, speed_rows: dict, scoring_rows: dict | None
     """Projected device time of a 33-run Table 1 trained in lockstep, from the ``batched`` figures.
 
     ``clients`` (what --batch clients does today): each run's 4 clients share a pass, the runs one
-    after another. ``runs`` (issue 55's point 3, projected): every run's clients of a round share
-    passes, TABLE1_RUNS x CLIENTS adapters at the largest measured K's tokens/s. Both add
+    after another. ``runs`` (issue 55's point 3, `sweep --batch runs`; projected, as no call times such a
+    sweep): every run's clients of a round share passes, TABLE1_RUNS x CLIENTS adapters at the largest measured K's tokens/s. Both add
     FedSAM's second gradient per client alone (the K = 1 rate; 3 runs x CLIENTS per step). The
     scoring: where the ``scoring`` section measured one run's at this architecture and dataset,
     TABLE1_RUNS + 1/2 of its seconds (the base model once, half a run's two models) scaled from
