@@ -134,9 +134,10 @@ def _routed_forward(layer, x, *args, **kwargs):
         if routing.row_index is None:
             routing.row_index = torch.tensor(routing.rows, device=x.device)
         a_all, b_all = routing.stacks[a_name]
-        # each row's factors: rows x r x d_in, rows x d_out x r
-        update = _per_row_update(flat, a_all[routing.row_index], b_all[routing.row_index]) * layer.scaling["default"]
-        result.view(len(routing.rows), -1, result.shape[-1]).add_(update.to(result.dtype))
+        # each row's factors: rows x r x d_in, rows x d_out x r; the update scaled, cast and added in
+        # one operation (a decode step is bound by launches there: benchmarks/decode_ops.py)
+        update = _per_row_update(flat, a_all[routing.row_index], b_all[routing.row_index])
+        result.view(len(routing.rows), -1, result.shape[-1]).add_(update, alpha=layer.scaling["default"])
         return result
     if not torch.is_grad_enabled():  # generation: each run's update added in place (no full-size delta to copy)
         out, start = result.view(-1, result.shape[-1]), 0
