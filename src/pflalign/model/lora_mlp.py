@@ -232,7 +232,10 @@ def _factors(projections, x) -> tuple[tuple | None, list[torch.Tensor]] | None:
 
 def _fused_forward(mlp, x):
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if not torch.is_grad_enabled() or not all(_plain_lora(p) for p in projections):
+    # not under autocast (a bf16 base on CUDA), whose adapters' bf16 copies would now match x's
+    # dtype: the function is tuned and timed for float32 runs, never measured there
+    if (not torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type)
+            or not all(_plain_lora(p) for p in projections)):
         return mlp._pflalign_unfused_forward(x)
     scalings = {p.scaling["default"] for p in projections}
     found = _factors(projections, x)

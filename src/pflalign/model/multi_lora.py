@@ -158,8 +158,8 @@ def _routed_forward(layer, x, *args, **kwargs):
         parts = []
         for (j, _), tokens in zip(routing.runs, flat.split(sizes)):
             a, b = routing.adapters[j][a_name], routing.adapters[j][b_name]
-            parts.append(F.linear(F.linear(tokens.to(a.dtype), a), b))  # PEFT's lora_B(lora_A(x))
-        delta = torch.cat(parts)
+            parts.append(F.linear(F.linear(_for_products(tokens, a), a), b))  # PEFT's lora_B(lora_A(x))
+        delta = parts[0] if len(parts) == 1 else torch.cat(parts)  # one run (a client alone): no copy
     delta = delta * layer.scaling["default"]
     return result + delta.view(*result.shape[:-1], delta.shape[-1]).to(result.dtype)
 
@@ -167,8 +167,16 @@ def _routed_forward(layer, x, *args, **kwargs):
 def _per_row_update(flat: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """B_i(A_i x) for the i-th of len(a) equal consecutive groups of `flat`'s tokens, in two batched
     products: a (groups, r, d_in), b (groups, d_out, r); (groups, tokens of a group, d_out)."""
-    tokens = flat.reshape(len(a), -1, flat.shape[-1]).to(a.dtype)
+    tokens = _for_products(flat.reshape(len(a), -1, flat.shape[-1]), a)
     return torch.bmm(torch.bmm(tokens, a.transpose(1, 2)), b.transpose(1, 2))
+
+
+def _for_products(tokens: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """`tokens` in the adapter's dtype for its products, as PEFT casts a LoRA branch's input; under
+    autocast as they are, since autocast casts both operands to bf16 anyway (a bf16 input's round
+    trip through float32 is exact: two casts a projection, and two in the backward, for the same
+    values; federated_lm.FederatedLM.adapter_autocast)."""
+    return tokens if torch.is_autocast_enabled(tokens.device.type) else tokens.to(a.dtype)
 
 
 def runs_of(owners: list[int], sizes: list[int]) -> list[tuple[int, int]]:
