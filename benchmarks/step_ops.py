@@ -9,7 +9,8 @@ gpu.py's architectures with every layer and LoRA r16 projection at toy widths (t
 the layers and tensors, not their widths), a bf16 base under float32 adapters, the forward under
 torch.autocast(bfloat16) as `FederatedLM.adapter_autocast` runs it on CUDA (forced here), flat
 updates forced (params.FLAT_DEVICES, CUDA's): one client's step (`loss_and_grads` on a padded batch
-of 4 x 64) and 4 clients' step in one routed pass (`routed_loss_and_grads`, `--batch clients`).
+of 4 x 64) and 4 and 12 clients' step in one routed pass (`routed_loss_and_grads`, `--batch
+clients`; 12: three runs' clients, `--batch runs`).
 Each both ways: as the library runs it now, and as a plain autocast step runs it (PEFT's cast of
 each LoRA branch's input to float32, autocast's cast of every adapter tensor and of its gradient
 back), which is what the HF + PEFT anchor of gpu.py runs. Loss and gradients are bit for bit the
@@ -38,7 +39,7 @@ from pflalign.config import LoraSettings  # noqa: E402
 from pflalign.model import FederatedLM, multi_lora  # noqa: E402
 
 ARCHS = ("llama-3.2-1b", "smollm2-135m")
-CLIENTS, BATCH, TOKENS = 4, 4, 64
+CLIENTS, BATCH, TOKENS = (4, 12), 4, 64  # clients in one pass: a round's, and three runs' in lockstep
 
 
 class Counting(TorchDispatchMode):
@@ -91,10 +92,11 @@ def count(name: str) -> dict:
         ids = torch.randint(3, 512, (BATCH, TOKENS), generator=gen)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.masked_fill(ids < 200, -100)}
 
-    batches = [batch() for _ in range(CLIENTS)]
-    adapters = [{n: p.detach().clone().requires_grad_(True) for n, p in lm.lora.items()} for _ in range(CLIENTS)]
-    steps = {"one_client": lambda: lm.loss_and_grads(batches[0], unpadded=False),
-             f"{CLIENTS}_clients_one_pass": lambda: lm.routed_loss_and_grads(batches, adapters, unpadded=False)}
+    batches = [batch() for _ in range(max(CLIENTS))]
+    adapters = [{n: p.detach().clone().requires_grad_(True) for n, p in lm.lora.items()} for _ in range(max(CLIENTS))]
+    steps = {"one_client": lambda: lm.loss_and_grads(batches[0], unpadded=False)}
+    for k in CLIENTS:
+        steps[f"{k}_clients_one_pass"] = lambda k=k: lm.routed_loss_and_grads(batches[:k], adapters[:k], unpadded=False)
     row = {"lora_tensors": len(lm.lora)}
     for key, step in steps.items():
         got = {}

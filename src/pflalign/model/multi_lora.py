@@ -153,7 +153,12 @@ def _routed_forward(layer, x, *args, **kwargs):
         # adapters, where the loop below launches two (and their casts) per run
         a = torch.stack([routing.adapters[j][a_name] for j in owners])  # K x r x d_in
         b = torch.stack([routing.adapters[j][b_name] for j in owners])  # K x d_out x r
-        delta = _per_row_update(flat, a, b).reshape(-1, b.shape[1])
+        tokens = _for_products(flat.reshape(len(owners), -1, flat.shape[-1]), a)
+        # taken as B_i (A_i xᵀ), so that the gradients of a and b come back in their own layout and
+        # each client's slice is handed to its tensor as it is: a transposed one was copied (two
+        # operations a tensor a client, 10,080 a step at SmolLM2's 420 tensors and 12 clients)
+        update = torch.bmm(b, torch.bmm(a, tokens.transpose(1, 2))).transpose(1, 2) * layer.scaling["default"]
+        return (result.view(len(owners), -1, result.shape[-1]) + update.to(result.dtype)).reshape(result.shape)
     else:
         parts = []
         for (j, _), tokens in zip(routing.runs, flat.split(sizes)):
