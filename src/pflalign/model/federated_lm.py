@@ -282,7 +282,6 @@ class FederatedLM:
             on = self.device.type == "cuda" and self.base_dtype == torch.bfloat16
         return bool(on)
 
-
     @property
     def _lora_layers(self) -> list:
         """The model's PEFT LoRA layers (found once, kept on the model)."""
