@@ -28,6 +28,8 @@ comparison was not made. Pin a new host from a commit known to be right
 The third kind, an AMD EPYC host (2026-11-27, f200e3a6…), was pinned with
 src/ as at 7f1cd16, whose CI had passed; there a thread count changes the
 last bits too, so a reference for a one-thread process runs on one thread.
+The fourth, another AMD EPYC host (2026-12-07, a6ba873d…), was pinned with src/ and tests/ as at
+b8dd809, whose CI had passed; 81e54b7 (its bf16 changes not yet through CI) matched every hash.
 """
 
 from __future__ import annotations
