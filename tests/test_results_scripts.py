@@ -152,6 +152,32 @@ def test_grid_lanes_take_every_run_left_once_each_lane_its_own_unfinished_one(tm
         assert mine == [key for key in wanted if key in mine]
 
 
+def test_one_lane_runs_the_named_rows_in_the_named_order_files_first_as_told(tmp_path):
+    """run-grid.sh with LANES=1, METHODS and FILES: per seed, the files in FILES' order and within
+    each the rows of METHODS in METHODS' order, one sweep each with both workers; a finished
+    (committed) run and a row not named are never started."""
+    pfl = tmp_path / "pflalign"
+    pfl.write_text(LANE_STAND_IN)
+    pfl.chmod(0o755)
+    conf, runs = tmp_path / "conf", tmp_path / "runs"
+    (conf / "runs" / "dolly" / "fedavg" / "seed0").mkdir(parents=True)  # committed
+    (conf / "runs" / "dolly" / "fedavg" / "seed0" / "results.json").write_text("{}")
+    for f in ["table1.toml", "step-size.toml"]:
+        (conf / f).write_text('"pflalign" "fedavg" "fedsam"' if f == "table1.toml" else '"pflalign" "fedavg"')
+    env = dict(os.environ, LANES="1", SEEDS="0 1", METHODS="fedsam fedavg pflalign", FILES="step-size table1",
+               PFL=str(pfl), CONF=str(conf), RUNS=str(runs), DATA=str(tmp_path))
+    done = subprocess.run(["bash", str(RESULTS / "table1-dolly" / "run-grid.sh")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0 and "grid done" in done.stdout, done.stdout + done.stderr
+    started = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [key for key, *_ in started] == [
+        "dolly/fedavg@lr=0.16/seed0", "dolly/pflalign@lr=0.33/seed0", "dolly/fedsam/seed0", "dolly/pflalign/seed0",
+        "dolly/fedavg@lr=0.16/seed1", "dolly/pflalign@lr=0.33/seed1",
+        "dolly/fedsam/seed1", "dolly/fedavg/seed1", "dolly/pflalign/seed1"]
+    for _, out, _, args in started:
+        assert out == str(runs) and args[args.index("--workers") + 1] == "2"
+
+
 PAPER_CSV = """model,method,dolly_c1,dolly_c2,dolly_avg,dolly_ci95,flan_c1,flan_avg
 M,FedAvg,10,20,15,1,0,0
 M,pFLAlign,30,10,20,2,0,0

@@ -16,6 +16,8 @@
 # METHODS="a b ..." (LANES=1 only): only these rows, in this order (cheapest first on a machine that
 # lasts one session: a Dolly run takes about 2 h of both cores with --workers 2, FedSAM about twice
 # that, and an unfinished run is lost with the machine).
+# FILES="step-size table1": within each seed, the step-size rows before Table 1's (default
+# "table1 step-size"); a file not named is skipped.
 #
 # LANES=N (default 1: one sweep with WORKERS processes): N lanes side by side, each a process of
 # one thread (--workers 1, OMP_NUM_THREADS=1) that takes the next run in the order above which no
@@ -39,12 +41,13 @@ DATA=${DATA:-$(cd "$repo/../shared/data/dolly" 2>/dev/null && pwd)/databricks-do
 PFL=${PFL:-$repo/.venv/bin/pflalign}
 WORKERS=${WORKERS:-2}
 SEEDS=${SEEDS:-"0 1 2"}
+FILES=${FILES:-"table1 step-size"}
 LANES=${LANES:-1}
 done=(); [ -d "$here/runs" ] && done=(--done "$here/runs")  # the committed runs, once there are some
 
 if [ "$LANES" -le 1 ]; then
   for seed in $SEEDS; do
-    for file in table1 step-size; do
+    for file in $FILES; do
       echo "== $file seed $seed ($(date -u +%H:%M))"
       for m in ${METHODS:-all}; do  # METHODS: these of the file's rows, one sweep each, in this order
         pick=()
@@ -74,7 +77,7 @@ lane() {  # lane I: the next run no other lane has, until none is left
   while :; do
     picked=""
     for seed in $SEEDS; do
-      for file in table1 step-size; do
+      for file in $FILES; do
         plan=$("$PFL" sweep --config "$here/$file.toml" --data-dir "$DATA" --out "$out" "${skip[@]}" \
                  --seeds "$seed" --dry-run) || { echo "== lane $i: $plan"; return 2; }
         while read -r key state rest; do
