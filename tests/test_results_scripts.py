@@ -119,24 +119,28 @@ for row in rows:
 """
 
 
+def _run_grid(tmp_path, **env) -> list:
+    """run-grid.sh through the stand-in sweep with `env` set: the runs it started, in order."""
+    pfl = tmp_path / "pflalign"
+    pfl.write_text(LANE_STAND_IN)
+    pfl.chmod(0o755)
+    done = subprocess.run(["bash", str(RESULTS / "table1-dolly" / "run-grid.sh")], capture_output=True, text=True,
+                          env=dict(os.environ, PFL=str(pfl), DATA=str(tmp_path), **env), timeout=120)
+    assert done.returncode == 0 and "grid done" in done.stdout, done.stdout + done.stderr
+    return [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+
+
 def test_grid_lanes_take_every_run_left_once_each_lane_its_own_unfinished_one(tmp_path):
     """run-grid.sh with LANES=2: two lanes side by side take the runs not finished (committed or
     by another lane), in the grid's order, each exactly once, one run a sweep in one thread
     (--workers 1, OMP_NUM_THREADS=1); an unfinished run is resumed by the lane whose folder holds it."""
-    pfl = tmp_path / "pflalign"
-    pfl.write_text(LANE_STAND_IN)
-    pfl.chmod(0o755)
     conf, runs = tmp_path / "conf", tmp_path / "runs"
     (conf / "runs" / "dolly" / "pflalign" / "seed0").mkdir(parents=True)  # committed
     (conf / "runs" / "dolly" / "pflalign" / "seed0" / "results.json").write_text("{}")
     for f in ["table1.toml", "step-size.toml"]:
         (conf / f).write_text("")
     (runs / "lane1" / "dolly" / "fedsam" / "seed0").mkdir(parents=True)  # lane 1 stopped in it
-    env = dict(os.environ, LANES="2", SEEDS="0 1", PFL=str(pfl), CONF=str(conf), RUNS=str(runs), DATA=str(tmp_path))
-    done = subprocess.run(["bash", str(RESULTS / "table1-dolly" / "run-grid.sh")], capture_output=True, text=True,
-                          env=env, timeout=120)
-    assert done.returncode == 0 and "grid done" in done.stdout, done.stdout + done.stderr
-    started = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    started = _run_grid(tmp_path, LANES="2", SEEDS="0 1", CONF=str(conf), RUNS=str(runs))
     keys = [key for key, *_ in started]
     wanted = ([f"dolly/{m}/seed0" for m in ["fedavg", "fedsa-lora", "fedsam", "pflalign@lr=0.33", "fedavg@lr=0.16"]]
               + [f"dolly/{m}/seed1" for m in ["pflalign", "fedavg", "fedsa-lora", "fedsam", "pflalign@lr=0.33",
@@ -156,20 +160,13 @@ def test_one_lane_runs_the_named_rows_in_the_named_order_files_first_as_told(tmp
     """run-grid.sh with LANES=1, METHODS and FILES: per seed, the files in FILES' order and within
     each the rows of METHODS in METHODS' order, one sweep each with both workers; a finished
     (committed) run and a row not named are never started."""
-    pfl = tmp_path / "pflalign"
-    pfl.write_text(LANE_STAND_IN)
-    pfl.chmod(0o755)
     conf, runs = tmp_path / "conf", tmp_path / "runs"
     (conf / "runs" / "dolly" / "fedavg" / "seed0").mkdir(parents=True)  # committed
     (conf / "runs" / "dolly" / "fedavg" / "seed0" / "results.json").write_text("{}")
     for f in ["table1.toml", "step-size.toml"]:
         (conf / f).write_text('"pflalign" "fedavg" "fedsam"' if f == "table1.toml" else '"pflalign" "fedavg"')
-    env = dict(os.environ, LANES="1", SEEDS="0 1", METHODS="fedsam fedavg pflalign", FILES="step-size table1",
-               PFL=str(pfl), CONF=str(conf), RUNS=str(runs), DATA=str(tmp_path))
-    done = subprocess.run(["bash", str(RESULTS / "table1-dolly" / "run-grid.sh")], capture_output=True, text=True,
-                          env=env, timeout=120)
-    assert done.returncode == 0 and "grid done" in done.stdout, done.stdout + done.stderr
-    started = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    started = _run_grid(tmp_path, LANES="1", SEEDS="0 1", METHODS="fedsam fedavg pflalign", FILES="step-size table1",
+                        CONF=str(conf), RUNS=str(runs))
     assert [key for key, *_ in started] == [
         "dolly/fedavg@lr=0.16/seed0", "dolly/pflalign@lr=0.33/seed0", "dolly/fedsam/seed0", "dolly/pflalign/seed0",
         "dolly/fedavg@lr=0.16/seed1", "dolly/pflalign@lr=0.33/seed1",
