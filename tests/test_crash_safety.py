@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pflalign.config import build_config
 from pflalign.run.engine import run
 from pflalign.errors import UserError
 from pflalign.methods.base import clone
+from pflalign.run.jobs import ScoreJob
 
 from test_engine import TINY
 
@@ -315,6 +317,105 @@ def test_resume_after_a_corrupt_checkpoint_uses_the_previous_one(tmp_path, confi
         run(None, out, resume=True, progress=False)
     assert any("resuming from checkpoint.prev.pt (after round 2)" in r.getMessage() for r in caplog.records)
     assert_same_run(out, uninterrupted)
+
+
+# ---- the final scoring, kept job by job (checkpoint/scoring.py) ------------------------------
+def _trained_not_scored(ref: Path, out: Path) -> None:
+    """`out`: `ref`'s run as it was when its last round was saved (its scoring not begun)."""
+    shutil.copytree(ref, out)
+    for name in (ckpt.RESULTS, ckpt.PREDICTIONS):
+        (out / name).unlink()
+    shutil.rmtree(out / "adapters")
+
+
+def test_a_run_stopped_while_it_scores_resumes_with_the_jobs_it_finished(tmp_path, uninterrupted, monkeypatch, capsys):
+    """Ctrl-C in the third scoring job: the two finished are kept (and said), the resume scores
+    only the others, and the run is the uninterrupted one: scores, predictions, metrics, files."""
+    from pflalign.run import workers
+
+    out = tmp_path / "run"
+    _trained_not_scored(uninterrupted, out)
+    scored = []
+    real = workers.run_job
+
+    def counting(side, job, *args, **kwargs):
+        if isinstance(job, ScoreJob):
+            if stop_at and len(scored) == stop_at:
+                raise KeyboardInterrupt
+            scored.append((job.k, job.model))
+        return real(side, job, *args, **kwargs)
+
+    monkeypatch.setattr(workers, "run_job", counting)
+    stop_at = 2
+    assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "pflalign: interrupted during the final evaluation; the last finished round (4) is saved, as are the final "
+        f"scoring's 2 finished jobs (the rest are scored on resume); resume with: pflalign run --out {out} --resume")
+    assert not (out / ckpt.RESULTS).exists() and ckpt.kept_jobs(out) == 2
+    first = list(scored)
+    # a copy whose kept jobs say something no model generates: the resume must take them as kept
+    marked = tmp_path / "marked"
+    shutil.copytree(out, marked)
+    lines = (marked / ckpt.SCORING).read_text().splitlines()
+    rows = [json.loads(line) for line in lines[1:]]
+    for row in rows:
+        row.update(score=0.5, predictions=[f"kept {row['client']} {row['model']} {i}" for i in range(len(row["predictions"]))])
+    (marked / ckpt.SCORING).write_text("\n".join([lines[0], *map(json.dumps, rows)]) + "\n")
+
+    scored.clear()
+    stop_at = None
+    assert main(["run", "--out", str(out), "--resume", "--no-progress"]) == 0
+    results = json.loads((out / ckpt.RESULTS).read_text())
+    every = [(row["id"], model) for model in ("personalized", "global", "base") for row in results["clients"]]
+    assert len(every) == 6 and sorted(first + scored) == sorted(every) and not set(first) & set(scored)
+    assert_same_run(out, uninterrupted)
+    assert (out / ckpt.PREDICTIONS).read_text() == (uninterrupted / ckpt.PREDICTIONS).read_text()
+    assert _files(out) == _files(uninterrupted)  # the kept jobs' file is gone with results.json written
+
+    assert main(["run", "--out", str(marked), "--resume", "--no-progress"]) == 0
+    results = {row["id"]: row for row in json.loads((marked / ckpt.RESULTS).read_text())["clients"]}
+    predictions = [json.loads(line) for line in (marked / ckpt.PREDICTIONS).read_text().splitlines()]
+    for row in rows:  # each kept job where its client's and model's scores and predictions go
+        k, model = row["client"], row["model"]
+        assert results[k][f"rouge_l_{model}"] == 0.5
+        assert [p[model] for p in predictions if p["client"] == k] == row["predictions"]
+
+
+def test_kept_jobs_are_scored_again_when_their_key_differs_or_their_line_was_cut(tmp_path):
+    """What the jobs were scored from is the first line's key: another key (another checkpoint,
+    config or code) starts afresh; a line a kill cut short is skipped, the lines after it kept."""
+    log = ckpt.ScoringLog.open(tmp_path, "key-1")
+    log.add(0, "global", 0.5, ["a", "b"], 1.0)
+    log.add(1, "global", 0.25, ["c"], 2.0)
+    log.close()
+    path = tmp_path / ckpt.SCORING
+    path.write_bytes(path.read_bytes()[:-9])  # the second line cut short
+    again = ckpt.ScoringLog.open(tmp_path, "key-1")
+    assert again.done == {(0, "global"): {"score": 0.5, "predictions": ["a", "b"], "seconds": 1.0}}
+    again.add(1, "personalized", 0.75, ["d"], 3.0)  # after the cut line, on a line of its own
+    again.close()
+    assert set(ckpt.ScoringLog.open(tmp_path, "key-1").done) == {(0, "global"), (1, "personalized")}
+    assert ckpt.kept_jobs(tmp_path) == 2
+    assert ckpt.ScoringLog.open(tmp_path, "key-2").done == {} and not path.exists()
+    ckpt.ScoringLog.open(tmp_path, "key-1").remove()
+
+
+def test_the_key_of_kept_jobs_follows_the_checkpoint_and_the_config(tmp_path, uninterrupted):
+    from pflalign.run.engine import scoring_log
+
+    cfg = build_config(str(uninterrupted / ckpt.CONFIG))
+    key = scoring_log(uninterrupted, cfg).key
+    assert scoring_log(uninterrupted, cfg).key == key
+    other = build_config(None, {**CRASH_CONFIG, "eval": {**CRASH_CONFIG.get("eval", {}), "max_new_tokens": 5}})
+    assert scoring_log(uninterrupted, other).key != key
+    out = tmp_path / "run"
+    _trained_not_scored(uninterrupted, out)
+    manifest = json.loads((out / ckpt.MANIFEST).read_text())
+    manifest["checkpoints"][0]["sha256"] = "0" * 64  # another checkpoint.pt
+    (out / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    assert scoring_log(out, cfg).key != key
+    (out / ckpt.MANIFEST).unlink()
+    assert scoring_log(out, cfg) is None  # an older pflalign's folder: nothing is kept
 
 
 # ---- checkpoints every N seconds (--checkpoint-every; CUDA's default) ------------------------

@@ -13,6 +13,8 @@ This package only hands names on (``from pflalign import checkpoint as ckpt``, t
 * `resume_checks`: what the checkpoint that loads is checked against besides (NaN or Inf where no
   manifest vouches for it, metrics.jsonl holding its rounds);
 * `metrics_log`: metrics.jsonl, appended round by round (`MetricsLog`) and read back (`metrics_rows`);
+* `scoring`: the final scoring's finished jobs, kept as each finishes (`ScoringLog`), so that a
+  resume scores only the rest;
 * `stored`: a run file read as it is stored, plain or as the gzipped copy under docs/results.
 """
 
@@ -21,6 +23,7 @@ from .atomic import (NO_ROOM, DiskFull, follow_umask, fsync_dir, remove_stale_te
 from .metrics_log import MetricsLog, metrics_rows  # noqa: F401
 from .names import CHECKPOINT, CONFIG, MANIFEST, METRICS, PREDICTIONS, PREVIOUS, RESULTS  # noqa: F401
 from .packing import PACKED, load_checkpoint, pack_tensors, save_checkpoint, unpack_tensors  # noqa: F401
-from .run_checkpoint import (has_run_checkpoint, load_run_checkpoint, remove_run_checkpoints,  # noqa: F401
-                             rounds_checkpointed, save_run_checkpoint, sigint_deferred)
+from .run_checkpoint import (has_run_checkpoint, load_run_checkpoint, newest_checkpoint_entry,  # noqa: F401
+                             remove_run_checkpoints, rounds_checkpointed, save_run_checkpoint, sigint_deferred)
+from .scoring import SCORING, ScoringLog, kept_jobs  # noqa: F401
 from .stored import open_stored, read_stored_text, stored  # noqa: F401

@@ -191,6 +191,13 @@ def rounds_checkpointed(out: Path) -> int | None:
     return max(done, default=None)
 
 
+def newest_checkpoint_entry(out: Path) -> dict | None:
+    """The manifest's entry of checkpoint.pt (its sha256, size and rounds_done), as the manifest
+    says: nothing is read or verified but the manifest; None without one."""
+    entries = _read_manifest(out) or []
+    return next((e for e in entries if e.get("file") == CHECKPOINT), None)
+
+
 def remove_run_checkpoints(out: Path) -> None:
     for name in (CHECKPOINT, PREVIOUS, MANIFEST):
         (out / name).unlink(missing_ok=True)

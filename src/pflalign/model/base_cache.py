@@ -33,14 +33,14 @@ NOT_DIGESTED = ("data", "methods", "flower")
 
 
 def digested_sources() -> list[Path]:
-    """The modules `_package_source_digest` covers: every module of this package but those of
+    """The modules `package_source_digest` covers: every module of this package but those of
     `NOT_DIGESTED`, wherever it sits (the model, its kernels, evaluate, prompts, ...)."""
     root = Path(__file__).parents[1]
     return sorted(p for p in root.rglob("*.py") if p.relative_to(root).parts[0] not in NOT_DIGESTED)
 
 
 @functools.cache  # read once per process: the source does not change under a running run
-def _package_source_digest() -> str:
+def package_source_digest() -> str:
     h = hashlib.sha256()
     root = Path(__file__).parents[1]
     for path in digested_sources():  # the path from the package root: the bare name for a top-level module
@@ -69,7 +69,7 @@ def cache_key(lm, prompts: list[list[int]], max_new_tokens: int, batch_size: int
     h = hashlib.sha256(json.dumps({
         "base": digest, "prompts": prompts, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
         "dtype": str(lm.dtype), "device": str(lm.device), "torch": torch.__version__,
-        "transformers": transformers.__version__, "source": _package_source_digest(),
+        "transformers": transformers.__version__, "source": package_source_digest(),
     }).encode())
     return h.hexdigest()
 

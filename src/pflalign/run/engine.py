@@ -15,9 +15,11 @@ uses too).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -36,10 +38,11 @@ from .lifecycle import (LossWatch, Recorder, client_row, diverged, eval_clients,
                         sample_clients, warn_at_start)
 from ..methods.base import Method, Params, clone
 from ..model import FederatedLM, build_model, resolve_device
+from ..model.base_cache import package_source_digest
 from ..data.clients import client_shares_described
 from .server import RoundRecord, Server
 from .lockstep import check_batch, resolve_batch
-from .jobs import ClientSide, ScoreJob, StartedRound, TrainJob, personalized_adapter, run_train_jobs_lockstep
+from .jobs import ClientSide, ScoreDone, ScoreJob, StartedRound, TrainJob, personalized_adapter, run_train_jobs_lockstep
 from .workers import Inline, Processes, bound_workers, check_workers
 from ..settings.defaults import CHECKPOINT_EVERY, CLIENT_MEMORY_BYTES
 
@@ -300,10 +303,11 @@ class Federation:
         return jobs, costs
 
     def _score(self, models: list[str], label: str = "", limit: int | None = None,
-               done_jobs: list | None = None) -> dict:
+               done_jobs: list | None = None, kept: ckpt.ScoringLog | None = None) -> dict:
         """ROUGE-L and outputs of the `score_jobs` of `models`: {model: (scores, outputs, seconds)},
         seconds summed over its clients' jobs. `done_jobs`: those jobs' `ScoreDone`s when already
-        scored (with other runs': run/together.py)."""
+        scored (with other runs': run/together.py). `kept`: the jobs finished before (taken from
+        it), and where each job scored now is kept as it finishes (the final scoring's)."""
         jobs, costs = self.score_jobs(models, label, limit)
         scored = {model: ([], [], 0.0) for model in models}
         # one process shows a bar per client as it generates (score_client); workers show none, so here
@@ -311,10 +315,8 @@ class Federation:
         bar = tqdm(total=len(jobs), desc=f"eval {label}".strip(), leave=False, unit="job",
                    disable=not self.progress or self.runner.workers == 1)
         shared = {"global": self.global_params}
-        # --batch: the adapters' jobs in one decoding loop, a row per prompt with its own adapter
         if done_jobs is None:
-            done_jobs = (score_jobs_together(self.side, jobs, shared, self.progress) if self.score_together
-                         else self.runner.map(jobs, shared, costs))
+            done_jobs = self._run_score_jobs(jobs, costs, shared, kept)
         for job, done in zip(jobs, done_jobs, strict=True):  # (done_jobs handed in: from jobs built alike)
             assert done.k == job.k, f"client {done.k}'s scores handed in for client {job.k}'s job"
             bar.update(1)
@@ -324,6 +326,29 @@ class Federation:
             scored[job.model] = (scores, outputs, seconds + done.seconds)
         bar.close()
         return scored
+
+    def _run_score_jobs(self, jobs: list[ScoreJob], costs: list[float], shared: dict,
+                        kept: ckpt.ScoringLog | None) -> Iterator[ScoreDone]:
+        """Each job's `ScoreDone`, in order: a job `kept` holds as it was, the others scored (with
+        --batch, in one decoding loop, a row per prompt with its own adapter; else by the runner)
+        and each added to `kept` as it comes back."""
+        held = [None if kept is None else kept.get(job.k, job.model) for job in jobs]
+        todo = [i for i, h in enumerate(held) if h is None]
+        if kept is not None and len(todo) < len(jobs):
+            log.info("the final scoring resumes: %d of its %d jobs were finished before the stop (%s)",
+                     len(jobs) - len(todo), len(jobs), kept.path.name)
+        to_score = [jobs[i] for i in todo]
+        fresh = iter([] if not to_score else
+                     score_jobs_together(self.side, to_score, shared, self.progress) if self.score_together
+                     else self.runner.map(to_score, shared, [costs[i] for i in todo]))
+        for job, h in zip(jobs, held):
+            if h is not None:
+                yield ScoreDone(job.k, h["score"], h["predictions"], h["seconds"])
+                continue
+            done = next(fresh)
+            if kept is not None:
+                kept.add(job.k, job.model, done.score, done.predictions, done.seconds)
+            yield done
 
     def personalized_of(self, k: int) -> Params:
         """Client k's personalized adapter as evaluated (after aggregation, as its method defines
@@ -351,14 +376,16 @@ class Federation:
                  "n_test": len(self.clients[k].data.test[:limit]), "rouge_l_personalized": p, "rouge_l_global": g}
                 for k, p, g in zip(self.eval_ids, scored["personalized"][0], scored["global"][0])]
 
-    def evaluate(self, known: dict | None = None, done_jobs: list | None = None) -> tuple[dict, list[dict]]:
+    def evaluate(self, known: dict | None = None, done_jobs: list | None = None,
+                 kept: ckpt.ScoringLog | None = None) -> tuple[dict, list[dict]]:
         """The final scores and predictions of every scored client; `known`: {model: (scores, outputs)}
         already scored under this very config (a rescore's global model), taken as they are;
-        `done_jobs`: the `ScoreDone` of each of `score_jobs(final_models)`, scored with other runs'."""
+        `done_jobs`: the `ScoreDone` of each of `score_jobs(final_models)`, scored with other runs';
+        `kept`: the jobs finished before a stop, and where each new one is kept (`finish_run`)."""
         cfg = self.cfg
         ids = self.eval_ids
         known = known or {}
-        scored = self._score([m for m in self.final_models if m not in known], done_jobs=done_jobs)
+        scored = self._score([m for m in self.final_models if m not in known], done_jobs=done_jobs, kept=kept)
         scored.update({m: (scores, outputs, 0.0) for m, (scores, outputs) in known.items()})
         none = [None] * len(ids)
         personal_scores, personal_out, _ = scored["personalized"]
@@ -493,7 +520,11 @@ def finish_run(rec: Recorder, fed: Federation, train_seconds: float, done_jobs: 
         log.warning("%d training examples exceeded max_seq_len=%d and were truncated", fed.truncated,
                     cfg.max_seq_len)
     tic = time.perf_counter() - sum(done.seconds for done in done_jobs or [])
-    results, predictions = fed.evaluate(done_jobs=done_jobs)
+    # each job kept as it finishes: a run stopped while it scores scores only the rest on resume
+    kept = None if done_jobs is not None else scoring_log(rec.out, cfg)
+    results, predictions = fed.evaluate(done_jobs=done_jobs, kept=kept)
+    if kept is not None:
+        kept.close()
     add_exact_match(results, predictions)  # beside ROUGE-L, from the same outputs
     # the models as evaluated, as PEFT adapter folders (run/export.py), before results.json marks the run finished
     try:
@@ -504,7 +535,28 @@ def finish_run(rec: Recorder, fed: Federation, train_seconds: float, done_jobs: 
     # memory_allocator: "mimalloc" under the pflalign command (run/allocator.py); the processes and
     # threads that computed it (the thread count decides the floating-point sums' last bits)
     how = {"batch": fed.batch} if fed.batch != "none" else {}  # how it was computed: results equal to rounding
-    return rec.finish(results, train_seconds, time.perf_counter() - tic, predictions,
-                      memory_allocator=allocator.active(), workers=fed.workers,
-                      threads_per_worker=fed.runner.threads(), **how)
+    finished = rec.finish(results, train_seconds, time.perf_counter() - tic, predictions,
+                          memory_allocator=allocator.active(), workers=fed.workers,
+                          threads_per_worker=fed.runner.threads(), **how)
+    if kept is not None:
+        kept.remove()  # in results.json now
+    return finished
+
+
+def scoring_log(out: Path, cfg: RunConfig) -> ckpt.ScoringLog | None:
+    """The final scoring's kept jobs (checkpoint/scoring.py) under the key of what they are scored
+    from: the newest checkpoint (its checksum: the global adapter, the clients' records and states),
+    the whole config (eval settings, data, model) and, as for the base model's cache, the code that
+    generates and its torch and transformers. None without a checkpoint manifest (a run folder of
+    an older pflalign): then nothing is kept."""
+    import transformers
+
+    newest = ckpt.newest_checkpoint_entry(out)
+    if newest is None:
+        return None
+    key = hashlib.sha256(json.dumps({
+        "checkpoint": newest["sha256"], "rounds_done": newest["rounds_done"], "config": to_dict(cfg),
+        "source": package_source_digest(), "torch": torch.__version__,
+        "transformers": transformers.__version__}, sort_keys=True).encode()).hexdigest()
+    return ckpt.ScoringLog.open(out, key)
 

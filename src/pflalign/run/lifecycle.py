@@ -40,7 +40,7 @@ def prepare_run_dir(out: Path, resume: bool, overwrite: bool) -> bool:
     finished = (out / ckpt.RESULTS).exists()
     started = ckpt.has_run_checkpoint(out)
     if overwrite:
-        for name in (ckpt.RESULTS, ckpt.METRICS, ckpt.PREDICTIONS, ckpt.CONFIG):
+        for name in (ckpt.RESULTS, ckpt.METRICS, ckpt.PREDICTIONS, ckpt.CONFIG, ckpt.SCORING):
             (out / name).unlink(missing_ok=True)
         ckpt.remove_run_checkpoints(out)
         return False
@@ -318,6 +318,9 @@ def interrupted(rec: Recorder, cfg: RunConfig, in_round: int | None) -> RunInter
     saved = (f"the last finished round ({rounds}) is saved" if finished <= rounds else
              f"round {rounds} is the last saved (rounds {rounds + 1}-{finished} finished since its checkpoint, "
              "--checkpoint-every, and are trained again)")
+    jobs = ckpt.kept_jobs(rec.out) if finished >= cfg.rounds else 0
+    if jobs:  # the final scoring's finished jobs (checkpoint/scoring.py)
+        saved += f", as are the final scoring's {jobs} finished job{'s' * (jobs != 1)} (the rest are scored on resume)"
     return RunInterrupted(f"interrupted {where}; {saved}; resume with: "
                           f"pflalign run --out {shlex.quote(str(rec.out))} --resume")
 
