@@ -66,6 +66,10 @@ def test_sweep_skips_finished_and_resumes_unfinished(sweep_file, tmp_path, capsy
     assert [r.state() for r in runs] == ["finished", "unfinished", "new", "new"]
     lines, _ = dry_run(runs)  # how far the unfinished run is: its checkpoint's manifest
     assert lines[1].endswith("(resumed from its checkpoint after round 1 of 2)") and lines[2].endswith("(runs)")
+    kept = ckpt.ScoringLog.open(unfinished.out, "another key")  # as a run stopped in its final scoring leaves it
+    kept.add(0, "global", 0.5, ["a"], 1.0)
+    kept.close()
+    assert dry_run(runs)[0][1].endswith("(resumed from its checkpoint after round 1 of 2, 1 scoring job kept)")
 
     results = run_sweep(runs, progress=False)
     lines = capsys.readouterr().out

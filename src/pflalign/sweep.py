@@ -161,6 +161,8 @@ def dry_run(runs: list[PlannedRun]) -> tuple[list[str], UserError | None]:
             note = "resumed from its checkpoint"
             done = ckpt.rounds_checkpointed(r.out)
             note += "" if done is None else f" after round {done} of {r.cfg.rounds}"
+            kept = ckpt.kept_jobs(r.out)  # its final scoring under way: the jobs it finished
+            note += f", {kept} scoring job{'s' * (kept != 1)} kept" if kept else ""
         else:
             note = "runs"
         lines.append(f"{r.key:<40} {state:<10} {where}  ({note})")
