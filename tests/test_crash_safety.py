@@ -381,6 +381,26 @@ def test_a_run_stopped_while_it_scores_resumes_with_the_jobs_it_finished(tmp_pat
         assert [p[model] for p in predictions if p["client"] == k] == row["predictions"]
 
 
+def test_a_resume_scoring_the_clients_in_one_loop_takes_the_kept_jobs_too(tmp_path, uninterrupted):
+    """--batch clients scores the jobs left in one decoding loop: a kept job comes back as kept,
+    the others as the uninterrupted run scored them."""
+    from pflalign.run.engine import scoring_log
+
+    out = tmp_path / "run"
+    _trained_not_scored(uninterrupted, out)
+    kept = scoring_log(out, build_config(str(out / ckpt.CONFIG)))
+    kept.add(1, "global", 0.5, ["kept 0", "kept 1", "kept 2"], 1.0)
+    kept.close()
+    assert main(["run", "--out", str(out), "--resume", "--no-progress", "--batch", "clients"]) == 0
+    mine, theirs = ([json.loads(line) for line in (d / ckpt.PREDICTIONS).read_text().splitlines()]
+                    for d in (out, uninterrupted))
+    assert [p["global"] for p in mine if p["client"] == 1] == ["kept 0", "kept 1", "kept 2"]
+    for p, q in zip(mine, theirs, strict=True):
+        assert p["personalized"] == q["personalized"] and p["base"] == q["base"]
+        assert p["client"] == 1 or p["global"] == q["global"]
+    assert not (out / ckpt.SCORING).exists()
+
+
 def test_kept_jobs_are_scored_again_when_their_key_differs_or_their_line_was_cut(tmp_path):
     """What the jobs were scored from is the first line's key: another key (another checkpoint,
     config or code) starts afresh; a line a kill cut short is skipped, the lines after it kept."""

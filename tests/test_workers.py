@@ -134,9 +134,17 @@ def test_jobs_come_back_in_their_order_whichever_finishes_first(tmp_path):
     try:
         jobs = [fed._train_job(0, k) for k in range(3)]
         shared = {"global": fed.global_params, "received": {}}
-        done = list(fed.runner.map(jobs, shared, costs=[1.0, 3.0, 2.0]))
+        events, done = [], []  # each result's arrival (on_result), then its handing back, as they happen
+        for i, d in enumerate(fed.runner.map(jobs, shared, costs=[1.0, 3.0, 2.0],
+                                             on_result=lambda j, r: events.append(("arrived", j, r.k)))):
+            events.append(("handed back", i, d.k))
+            done.append(d)
         assert [d.k for d in done] == [0, 1, 2]
         assert [d.record.file for d in done] == [f"{k}.r1.safetensors" for k in range(3)]
+        # each result is told of as it arrives (the final scoring keeps it then), never after it is handed back
+        arrived = [(j, k) for what, j, k in events if what == "arrived"]
+        assert sorted(arrived) == [(0, 0), (1, 1), (2, 2)]
+        assert all(events.index(("arrived", i, i)) < events.index(("handed back", i, i)) for i in range(3))
     finally:
         fed.close()
 

@@ -331,24 +331,29 @@ class Federation:
                         kept: ckpt.ScoringLog | None) -> Iterator[ScoreDone]:
         """Each job's `ScoreDone`, in order: a job `kept` holds as it was, the others scored (with
         --batch, in one decoding loop, a row per prompt with its own adapter; else by the runner)
-        and each added to `kept` as it comes back."""
+        and each added to `kept` as it comes back (with workers, maybe before those ahead of it)."""
         held = [None if kept is None else kept.get(job.k, job.model) for job in jobs]
         todo = [i for i, h in enumerate(held) if h is None]
         if kept is not None and len(todo) < len(jobs):
             log.info("the final scoring resumes: %d of its %d jobs were finished before the stop (%s)",
                      len(jobs) - len(todo), len(jobs), kept.path.name)
         to_score = [jobs[i] for i in todo]
-        fresh = iter([] if not to_score else
-                     score_jobs_together(self.side, to_score, shared, self.progress) if self.score_together
-                     else self.runner.map(to_score, shared, [costs[i] for i in todo]))
-        for job, h in zip(jobs, held):
-            if h is not None:
-                yield ScoreDone(job.k, h["score"], h["predictions"], h["seconds"])
-                continue
-            done = next(fresh)
+
+        def keep(i: int, done: ScoreDone) -> None:
             if kept is not None:
-                kept.add(job.k, job.model, done.score, done.predictions, done.seconds)
-            yield done
+                kept.add(to_score[i].k, to_score[i].model, done.score, done.predictions, done.seconds)
+
+        if not to_score:
+            fresh = iter([])
+        elif self.score_together:  # one loop: every job comes back at its end
+            together = score_jobs_together(self.side, to_score, shared, self.progress)
+            for i, done in enumerate(together):
+                keep(i, done)
+            fresh = iter(together)
+        else:
+            fresh = self.runner.map(to_score, shared, [costs[i] for i in todo], on_result=keep)
+        for job, h in zip(jobs, held):
+            yield ScoreDone(job.k, h["score"], h["predictions"], h["seconds"]) if h is not None else next(fresh)
 
     def personalized_of(self, k: int) -> Params:
         """Client k's personalized adapter as evaluated (after aggregation, as its method defines

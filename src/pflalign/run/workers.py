@@ -62,10 +62,16 @@ class Inline:
         return torch.get_num_threads()
 
     def map(self, jobs: list, shared: dict, costs: list[float] | None = None,
-            on_step: Callable[[int, int, float], None] | None = None) -> Iterator:
+            on_step: Callable[[int, int, float], None] | None = None,
+            on_result: Callable[[int, object], None] | None = None) -> Iterator:
+        """Each job's result, in order; `on_result(i, result)` as job i's comes back (here: just
+        before it is yielded)."""
         for i, job in enumerate(jobs):
             step = None if on_step is None else (lambda t, loss, i=i: on_step(i, t, loss))
-            yield run_job(self.side, job, shared, self.progress, step)
+            result = run_job(self.side, job, shared, self.progress, step)
+            if on_result is not None:
+                on_result(i, result)
+            yield result
 
     def close(self) -> None:
         pass
@@ -106,7 +112,10 @@ class Processes:
     def threads(self) -> int:
         return 1
 
-    def map(self, jobs: list, shared: dict, costs: list[float] | None = None, on_step=None) -> Iterator:
+    def map(self, jobs: list, shared: dict, costs: list[float] | None = None, on_step=None,
+            on_result: Callable[[int, object], None] | None = None) -> Iterator:
+        """Each job's result, in job order; `on_result(i, result)` as soon as job i's comes back,
+        which may be before jobs ahead of it are (the final scoring keeps each job so)."""
         if self.broken:
             raise WorkerFailed("the worker processes were stopped after an earlier error")
         if not jobs:
@@ -138,7 +147,10 @@ class Processes:
         for i in range(len(jobs)):
             while i not in finished:
                 for conn in wait(list(busy)):
-                    finished[busy.pop(conn)] = self._receive(conn)
+                    j = busy.pop(conn)
+                    finished[j] = self._receive(conn)
+                    if on_result is not None:
+                        on_result(j, finished[j])
                 submit_to_idle()
             if not busy and not pending:  # every job is back: the workers are idle, whatever comes next
                 self.broken = False
