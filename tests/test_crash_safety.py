@@ -420,6 +420,20 @@ def test_kept_jobs_are_scored_again_when_their_key_differs_or_their_line_was_cut
     ckpt.ScoringLog.open(tmp_path, "key-1").remove()
 
 
+def test_a_fresh_run_and_its_resume_key_their_scoring_alike(tmp_path, monkeypatch):
+    """The common stop: a fresh run stopped in its final scoring, then resumed from config.json.
+    The resumed run's key must be the fresh run's, or the kept jobs would be scored again."""
+    from pflalign.run import engine
+
+    keys, real = [], engine.scoring_log
+    monkeypatch.setattr(engine, "scoring_log", lambda out, cfg: keys.append(real(out, cfg).key) or real(out, cfg))
+    out = tmp_path / "run"
+    run(build_config(None, {**CRASH_CONFIG, "rounds": 2, "local_steps": 2}), out, progress=False)
+    _trained_not_scored(out, tmp_path / "again")
+    run(None, tmp_path / "again", resume=True, progress=False)
+    assert len(keys) == 2 and keys[0] == keys[1]
+
+
 def test_the_key_of_kept_jobs_follows_the_checkpoint_and_the_config(tmp_path, uninterrupted):
     from pflalign.run.engine import scoring_log
 
