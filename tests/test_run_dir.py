@@ -73,6 +73,28 @@ def test_overwrite_failing_in_round_1_restores_the_old_run(capsys, finished, mon
     assert snapshot(finished) == before
 
 
+def test_overwrite_failing_in_round_1_restores_a_run_stopped_in_its_final_scoring(capsys, finished, monkeypatch):
+    """The run replaced may hold the final scoring's kept jobs (checkpoint/scoring.py): they come back too."""
+    from pflalign import checkpoint as ckpt
+    from pflalign.run.engine import Federation
+
+    for name in (ckpt.RESULTS, ckpt.PREDICTIONS):
+        (finished / name).unlink()
+    shutil.rmtree(finished / "adapters")
+    kept = ckpt.ScoringLog.open(finished, "its key")
+    kept.add(0, "global", 0.5, ["a"], 1.0)
+    kept.close()
+
+    def diverge(self, *args, **kwargs):
+        raise TrainingDiverged("loss is nan")
+
+    monkeypatch.setattr(Federation, "train", diverge)
+    before = snapshot(finished)
+    _error(capsys, ["run", *TINY_SET, "--set", "method=fedprox", "--out", str(finished), "--overwrite",
+                    "--no-progress"])
+    assert snapshot(finished) == before
+
+
 def test_overwrite_replaces_the_run_once_the_new_one_finished(capsys, finished):
     assert main(["run", *TINY_SET, "--set", "method=fedprox", "--out", str(finished), "--overwrite",
                  "--no-progress"]) == 0

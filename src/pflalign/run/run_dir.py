@@ -38,7 +38,7 @@ ASIDE = ".pflalign-replaced"
 # "clients": the in-process engine's per-client files (run/client_store.py), named by the checkpoints:
 # set aside and restored with them
 RUN_FILES = (ckpt.RESULTS, ckpt.METRICS, ckpt.PREDICTIONS, ckpt.CONFIG, ckpt.CHECKPOINT, ckpt.PREVIOUS,
-             ckpt.MANIFEST, "clients")
+             ckpt.MANIFEST, ckpt.SCORING, "clients")
 CONFIG_KEYS = {"method", "method_args", "lora", "data", "rounds"}  # what makes a config.json pflalign's
 
 
