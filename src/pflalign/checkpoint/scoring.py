@@ -38,27 +38,13 @@ class ScoringLog:
     def open(cls, out: Path, key: str) -> "ScoringLog":
         """The jobs kept in `out` under `key` (none when the file is missing, damaged or another key's)."""
         path = Path(out) / SCORING
-        done: dict[tuple[int, str], dict] = {}
-        try:
-            lines = path.read_text().split("\n")
-        except FileNotFoundError:
-            return cls(path, key, done)
-        try:
-            same = json.loads(lines[0]).get("key") == key
-        except (ValueError, AttributeError):
-            same = False
-        if not same:
+        header, done = _read(path)
+        if header is None:
+            return cls(path, key, {})
+        if header.get("key") != key:
             log.info("%s was scored from another checkpoint, config or code: its jobs are scored again", path)
             path.unlink()
-            return cls(path, key, done)
-        for line in lines[1:]:
-            try:
-                row = json.loads(line)
-                done[(int(row["client"]), str(row["model"]))] = {
-                    "score": float(row["score"]), "predictions": list(row["predictions"]),
-                    "seconds": float(row["seconds"])}
-            except (ValueError, KeyError, TypeError):  # "" after the last newline, or a line a kill cut short
-                continue
+            return cls(path, key, {})
         return cls(path, key, done)
 
     def get(self, k: int, model: str) -> dict | None:
@@ -93,14 +79,27 @@ class ScoringLog:
 
 def kept_jobs(out: Path) -> int:
     """How many finished jobs `out`'s file holds (for a message: its key is not checked)."""
+    return len(_read(Path(out) / SCORING)[1])
+
+
+def _read(path: Path) -> tuple[dict | None, dict[tuple[int, str], dict]]:
+    """The file's first line ({} when it is not a JSON object; None without a file) and its jobs,
+    a line that is not one (a line a kill cut short, "" after the last newline) skipped."""
     try:
-        lines = (Path(out) / SCORING).read_text().split("\n")[1:]
+        lines = path.read_text().split("\n")
     except (FileNotFoundError, NotADirectoryError):
-        return 0
-    count = 0
-    for line in lines:
+        return None, {}
+    try:
+        header = json.loads(lines[0])
+    except ValueError:
+        header = None
+    done: dict[tuple[int, str], dict] = {}
+    for line in lines[1:]:
         try:
-            count += isinstance(json.loads(line), dict)
-        except ValueError:
+            row = json.loads(line)
+            done[(int(row["client"]), str(row["model"]))] = {
+                "score": float(row["score"]), "predictions": list(row["predictions"]),
+                "seconds": float(row["seconds"])}
+        except (ValueError, KeyError, TypeError):
             continue
-    return count
+    return header if isinstance(header, dict) else {}, done

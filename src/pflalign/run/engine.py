@@ -528,8 +528,6 @@ def finish_run(rec: Recorder, fed: Federation, train_seconds: float, done_jobs: 
     # each job kept as it finishes: a run stopped while it scores scores only the rest on resume
     kept = None if done_jobs is not None else scoring_log(rec.out, cfg)
     results, predictions = fed.evaluate(done_jobs=done_jobs, kept=kept)
-    if kept is not None:
-        kept.close()
     add_exact_match(results, predictions)  # beside ROUGE-L, from the same outputs
     # the models as evaluated, as PEFT adapter folders (run/export.py), before results.json marks the run finished
     try:
